@@ -1,0 +1,83 @@
+"""The backend interface: who runs a model.
+
+A backend evaluates tokens at given positions of a sequence's KV cache and returns logits for
+every evaluated position; it can truncate a sequence's cache to a length (rollback of rejected
+drafts). It knows nothing of drafting or acceptance. Callers track which tokens are cached
+(see engine/sequence.py); the backend only checks that evaluation continues where the cache ends.
+"""
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import numpy as np
+
+from specdec.types import SpecdecError
+
+
+class Backend(ABC):
+    name: str = "backend"
+    vocab_size: int
+    n_ctx: int
+    eog_token_ids: frozenset[int]
+    max_sequences: int = 1
+
+    @abstractmethod
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        """Text -> ids. Special-token text (e.g. `<|im_start|>`) is parsed as special tokens."""
+
+    @abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (may be part of a UTF-8 character)."""
+
+    @abstractmethod
+    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+        """Render chat messages with the model's own template, ending with the assistant prompt."""
+
+    @abstractmethod
+    def eval(self, seq_id: int, start: int, tokens: Sequence[int], *, prefill: bool = False) -> np.ndarray:
+        """Evaluate tokens at positions start.. of seq_id's cache, which must hold exactly `start` tokens.
+
+        Returns logits [len(tokens), vocab] (float32) for every position, or an empty [0, vocab]
+        array when prefill is True (prompt processing needs no logits and may use larger batches).
+        """
+
+    @abstractmethod
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Drop seq_id's cached positions from `length` onward."""
+
+    def eval_many(self, requests: Sequence[tuple[int, int, Sequence[int]]]) -> list[np.ndarray]:
+        """Evaluate several sequences' tokens; backends that can batch them override this."""
+        return [self.eval(seq_id, start, tokens) for seq_id, start, tokens in requests]
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
+
+    def describe(self) -> dict:
+        return {"name": self.name, "vocab_size": self.vocab_size, "n_ctx": self.n_ctx}
+
+    def vocab_fingerprint(self) -> str:
+        """A hash of every token's bytes: equal fingerprints mean interchangeable token ids."""
+        digest = hashlib.sha256()
+        for token_id in range(self.vocab_size):
+            digest.update(self.token_bytes(token_id))
+            digest.update(b"\x00")
+        return digest.hexdigest()
+
+    def close(self) -> None:
+        pass
+
+
+def check_draft_compatible(target: Backend, draft: Backend) -> None:
+    """Refuse a draft whose token ids do not mean what the target's mean."""
+    if draft.vocab_size != target.vocab_size:
+        raise SpecdecError(
+            f"the draft model's vocabulary ({draft.vocab_size} tokens) does not match the target's "
+            f"({target.vocab_size} tokens); choose a draft model with the target's tokenizer."
+        )
+    if draft.vocab_fingerprint() != target.vocab_fingerprint():
+        raise SpecdecError(
+            "the draft model's vocabulary has the target's size but different tokens; "
+            "choose a draft model with the target's tokenizer."
+        )

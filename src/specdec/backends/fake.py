@@ -1,0 +1,110 @@
+"""A weightless backend for tests: deterministic pseudo-random logits over a small byte vocabulary.
+
+The logits at a position depend on the two cached tokens before it (so greedy text falls into
+repeating cycles that an n-gram drafter can exploit), and they are computed from the backend's own
+record of the cache, so a cache that falls out of step with the engine changes the output.
+A second instance with `noise > 0` plays a draft model that often, but not always, agrees.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from specdec.backends.base import Backend
+
+SPECIAL_PIECES = [b"<|endoftext|>", b"<|im_end|>", b"<|im_start|>"]
+WORD_PIECES = [b"the ", b"cat ", b"sat ", b"on ", b"mat", b"\xc3", b"\xa9"]  # 'é' is split over two tokens
+
+
+class FakeBackend(Backend):
+    name = "fake"
+
+    def __init__(
+        self,
+        seed: int = 0,
+        noise: float = 0.0,
+        noise_seed: int = 1,
+        n_ctx: int = 2048,
+        max_sequences: int = 8,
+        eog_bias: float = -4.0,
+        sharpness: float = 3.0,
+        clock=None,
+        step_cost: float = 0.0,
+        token_cost: float = 0.0,
+    ):
+        self.pieces: list[bytes] = SPECIAL_PIECES + [bytes([b]) for b in range(32, 127)] + [b"\n"] + WORD_PIECES
+        self.vocab_size = len(self.pieces)
+        self.n_ctx = n_ctx
+        self.max_sequences = max_sequences
+        self.eog_token_ids = frozenset({0, 1})
+        self.seed = seed
+        self.noise = noise
+        self.noise_seed = noise_seed
+        self.eog_bias = eog_bias
+        self.sharpness = sharpness
+        self.cache: dict[int, list[int]] = {}
+        self.eval_calls: list[tuple[int, int]] = []  # (seq_id, n_tokens) per eval, for tests
+        # An injected clock lets tests give each forward a known cost without wall-clock timing.
+        self.clock = clock
+        self.step_cost = step_cost
+        self.token_cost = token_cost
+        self._by_piece = {piece: i for i, piece in enumerate(self.pieces)}
+        self._max_piece = max(len(p) for p in self.pieces)
+
+    # -- tokenizer ---------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        ids, i = [], 0
+        while i < len(data):
+            for length in range(min(self._max_piece, len(data) - i), 0, -1):
+                token = self._by_piece.get(data[i:i + length])
+                if token is not None:
+                    ids.append(token)
+                    i += length
+                    break
+            else:
+                ids.append(self._by_piece[b"?"])  # bytes outside the fake vocabulary
+                i += 1
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.pieces[token_id]
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+        rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return rendered + "<|im_start|>assistant\n"
+
+    # -- model -------------------------------------------------------------------------------
+    def _row(self, history: Sequence[int]) -> np.ndarray:
+        a = history[-2] if len(history) >= 2 else -1
+        b = history[-1] if history else -1
+        key = (a + 1) * 1_000_003 + (b + 1)
+        logits = np.random.default_rng([self.seed, key]).normal(size=self.vocab_size) * self.sharpness
+        if self.noise:
+            logits += np.random.default_rng([self.noise_seed, key]).normal(size=self.vocab_size) * self.noise * self.sharpness
+        logits[list(self.eog_token_ids)] += self.eog_bias
+        return logits.astype(np.float32)
+
+    def eval(self, seq_id: int, start: int, tokens: Sequence[int], *, prefill: bool = False) -> np.ndarray:
+        cache = self.cache.setdefault(seq_id, [])
+        if start != len(cache):
+            raise AssertionError(f"fake backend: eval at {start} but sequence {seq_id} caches {len(cache)} tokens")
+        if start + len(tokens) > self.n_ctx:
+            raise AssertionError("fake backend: context overflow")
+        rows = []
+        for token in tokens:
+            cache.append(int(token))
+            rows.append(self._row(cache))
+        self.eval_calls.append((seq_id, len(tokens)))
+        if self.clock is not None:
+            self.clock.advance(self.step_cost + self.token_cost * len(tokens))
+        if prefill:
+            return np.zeros((0, self.vocab_size), dtype=np.float32)
+        return np.stack(rows) if rows else np.zeros((0, self.vocab_size), dtype=np.float32)
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        del self.cache.setdefault(seq_id, [])[length:]
+
+    def cached_tokens(self, seq_id: int = 0) -> Optional[list[int]]:
+        return list(self.cache.get(seq_id, []))

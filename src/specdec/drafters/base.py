@@ -1,0 +1,33 @@
+"""The drafter interface: who proposes tokens.
+
+`context` is always every committed token: the prompt, the generated text so far, and the last
+committed token, which the target has not evaluated yet.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import numpy as np
+
+from specdec.types import Proposal, SamplingParams
+
+
+class Drafter(ABC):
+    name: str = "drafter"
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        """A new generation starts from this prompt (a model drafter processes it here)."""
+
+    @abstractmethod
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
+        """Propose up to k tokens to follow context (fewer, or none, when unsure)."""
+
+
+class NoDrafter(Drafter):
+    """Method `off`: plain target decoding, the baseline every speedup is measured against."""
+
+    name = "off"
+
+    def propose(self, context, k, sampling, rng) -> Proposal:
+        return Proposal(())

@@ -1,0 +1,160 @@
+"""The speculative decoding loop: draft -> verify in one target forward -> commit -> roll back.
+
+Invariant between rounds: the target's cache holds every committed token but the last one
+("pending"); a round evaluates [pending, d1..dk] in one forward, which yields the target's
+distribution at each draft position plus one. Plain decoding is the same loop with k = 0.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+from specdec.drafters.base import Drafter
+from specdec.engine.sequence import CachedSequence
+from specdec.engine.stats import GenerationStats
+from specdec.engine.stopping import TextAssembler
+from specdec.sampling.probs import token_distribution
+from specdec.sampling.verify import verify, verify_greedy
+from specdec.types import GenerationRequest, Proposal, SpecdecError, StreamEvent
+
+
+class Generation:
+    """One request's state. `step()` runs a whole round; a batching scheduler may instead call
+    `plan()`, evaluate the returned tokens on the target itself, and pass the logits to `commit()`."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        target: CachedSequence,
+        drafter: Drafter,
+        *,
+        prefix_cache: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.request = request
+        self.target = target
+        self.drafter = drafter
+        self.prefix_cache = prefix_cache
+        self.clock = clock
+        self.rng = np.random.default_rng(request.sampling.seed)
+        self.context: list[int] = list(request.prompt_token_ids)  # prompt + generated; last = pending
+        self.token_ids: list[int] = []
+        self.assembler = TextAssembler(request.stop)
+        self.finish_reason: Optional[str] = None
+        k = request.spec.num_draft_tokens if request.spec.method != "off" else 0
+        self.stats = GenerationStats(method=request.spec.method, num_draft_tokens=k)
+        self._k = k
+        self._proposal: Optional[Proposal] = None
+        self._started_at = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    # -- stages ------------------------------------------------------------------------------
+    def start(self) -> None:
+        prompt = self.request.prompt_token_ids
+        n_ctx = self.target.backend.n_ctx
+        if not prompt:
+            raise SpecdecError("the prompt is empty.")
+        if len(prompt) >= n_ctx:
+            raise SpecdecError(f"the prompt has {len(prompt)} tokens but the context holds only {n_ctx}.")
+        self._started_at = self.clock()
+        if not self.prefix_cache:
+            self.target.clear()
+        before = self.target.reuse_prefix(prompt[:-1])
+        self.target.prefill(prompt[:-1])
+        self.drafter.begin(prompt)
+        self.stats.prompt_tokens = len(prompt)
+        self.stats.cached_prompt_tokens = before
+        self.stats.prompt_seconds = self.clock() - self._started_at
+        if self.request.max_tokens is not None and self.request.max_tokens <= 0:
+            self._finish("length")
+
+    def plan(self) -> list[int]:
+        """Ask the drafter for a proposal; returns the tokens the target must evaluate."""
+        k = min(self._k, self.target.backend.n_ctx - len(self.context))
+        if self.request.max_tokens is not None:
+            k = min(k, self.request.max_tokens - len(self.token_ids) - 1)
+        t0 = self.clock()
+        if k > 0:
+            self._proposal = self.drafter.propose(self.context, k, self.request.sampling, self.rng)
+        else:
+            self._proposal = Proposal(())
+        self.stats.draft_seconds += self.clock() - t0
+        return [self.context[-1], *self._proposal.draft_tokens]
+
+    def commit(self, target_logits: np.ndarray) -> StreamEvent:
+        """Accept a prefix of the proposal given the target's logits [k + 1, vocab]; roll back the rest."""
+        proposal = self._proposal
+        draft_tokens = proposal.draft_tokens
+        k = len(draft_tokens)
+        sampling = self.request.sampling
+        if sampling.greedy:
+            verdict = verify_greedy(draft_tokens, np.argmax(target_logits, axis=-1))
+        else:
+            target_probs = np.stack([token_distribution(row, sampling) for row in target_logits])
+            verdict = verify(draft_tokens, proposal.draft_probs, target_probs, self.rng)
+        self.stats.record_round(k, verdict.num_accepted)
+        # Keep pending + the accepted drafts; the next token becomes the new pending one.
+        self.target.truncate(len(self.context) + verdict.num_accepted)
+        new_tokens: list[int] = []
+        for token in (*verdict.accepted_tokens, verdict.next_token):
+            if not self._emit(token):
+                break
+            new_tokens.append(token)
+        if self.stats.ttft_seconds is None:
+            self.stats.ttft_seconds = self.clock() - self._started_at
+        return self._event(new_tokens)
+
+    def step(self) -> StreamEvent:
+        tokens = self.plan()
+        t0 = self.clock()
+        logits = self.target.extend(tokens)
+        self.stats.verify_seconds += self.clock() - t0
+        return self.commit(logits)
+
+    def cancel(self) -> StreamEvent:
+        self._finish("cancelled")
+        return self._event([])
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _emit(self, token: int) -> bool:
+        """Commit one token; returns False (and finishes) if it ends the generation unseen."""
+        if token in self.target.backend.eog_token_ids and not self.request.ignore_eos:
+            self._finish("stop")
+            return False
+        self.context.append(token)
+        self.token_ids.append(token)
+        self.stats.generated_tokens += 1
+        self.assembler.add(self.target.backend.token_bytes(token))
+        if self.assembler.stopped:
+            self._finish("stop")
+        elif self.request.max_tokens is not None and len(self.token_ids) >= self.request.max_tokens:
+            self._finish("length")
+        elif len(self.context) > self.target.backend.n_ctx:
+            self._finish("length")
+        return True
+
+    def _finish(self, reason: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.assembler.finish()
+            self.stats.total_seconds = self.clock() - self._started_at
+
+    def _event(self, new_tokens: list[int]) -> StreamEvent:
+        delta = self.assembler.take_delta(final=self.finished)
+        if self.finished:
+            return StreamEvent(delta, new_tokens, self.finish_reason, self.stats.as_dict())
+        return StreamEvent(delta, new_tokens)
+
+
+def run_to_completion(generation: Generation) -> Iterator[StreamEvent]:
+    generation.start()
+    if generation.finished:
+        yield generation._event([])
+        return
+    while not generation.finished:
+        yield generation.step()

@@ -1,0 +1,116 @@
+"""The engine: a target backend, an optional draft backend, and the drafters built on them."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+from specdec.backends.base import Backend, check_draft_compatible
+from specdec.drafters.base import Drafter, NoDrafter
+from specdec.drafters.model import ModelDrafter
+from specdec.drafters.ngram import NgramDrafter
+from specdec.engine.decoder import Generation, run_to_completion
+from specdec.engine.sequence import CachedSequence
+from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    ngram_max: int = 3
+    ngram_min: int = 1
+    prefix_cache: bool = True  # reuse the cached KV of a prompt prefix seen by the previous request
+
+
+@dataclass
+class Slot:
+    """One sequence's caches on both models, reused across the requests it serves (prefix caching)."""
+
+    target: CachedSequence
+    draft: Optional[CachedSequence]
+    drafters: dict[str, Drafter]
+
+
+class Engine:
+    """The target and draft backends and, per slot, the cached sequences and drafters built on them.
+
+    One slot serves one generation at a time; a server with n slots runs n generations at once.
+    """
+
+    def __init__(
+        self,
+        target: Backend,
+        draft: Optional[Backend] = None,
+        config: EngineConfig = EngineConfig(),
+        clock: Callable[[], float] = time.perf_counter,
+        n_slots: int = 1,
+    ):
+        if draft is not None:
+            check_draft_compatible(target, draft)
+        self.target = target
+        self.draft = draft
+        self.config = config
+        self.clock = clock
+        if n_slots > target.max_sequences or (draft is not None and n_slots > draft.max_sequences):
+            raise SpecdecError(f"{n_slots} slots need backends that hold {n_slots} sequences.")
+        self.slots = [self._make_slot(seq_id) for seq_id in range(n_slots)]
+
+    def _make_slot(self, seq_id: int) -> Slot:
+        drafters: dict[str, Drafter] = {
+            "off": NoDrafter(),
+            "ngram": NgramDrafter(self.config.ngram_max, self.config.ngram_min),
+        }
+        draft_sequence = None
+        if self.draft is not None:
+            draft_sequence = CachedSequence(self.draft, seq_id)
+            drafters["draft"] = ModelDrafter(draft_sequence)
+        return Slot(CachedSequence(self.target, seq_id), draft_sequence, drafters)
+
+    @property
+    def methods(self) -> list[str]:
+        return list(self.slots[0].drafters)
+
+    @property
+    def target_sequence(self) -> CachedSequence:
+        return self.slots[0].target
+
+    # -- prompts -----------------------------------------------------------------------------
+    def encode_prompt(self, prompt: Union[str, Sequence[dict]], chat: bool) -> list[int]:
+        """A raw completion prompt, or chat messages rendered with the model's own template."""
+        if chat:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            return self.target.tokenize(self.target.apply_chat_template(messages), add_special=False)
+        return self.target.tokenize(prompt, add_special=True)
+
+    # -- generation --------------------------------------------------------------------------
+    def new_generation(self, request: GenerationRequest, slot: int = 0) -> Generation:
+        request.sampling.validate()
+        request.spec.validate()
+        chosen = self.slots[slot]
+        drafter = chosen.drafters.get(request.spec.method)
+        if drafter is None:
+            raise SpecdecError(f"method {request.spec.method!r} needs a draft model; start with --draft-model.")
+        return Generation(request, chosen.target, drafter, prefix_cache=self.config.prefix_cache, clock=self.clock)
+
+    def stream(self, request: GenerationRequest) -> Iterator[StreamEvent]:
+        return run_to_completion(self.new_generation(request))
+
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        text, token_ids = [], []
+        for event in self.stream(request):
+            text.append(event.text)
+            token_ids.extend(event.token_ids)
+            if event.finish_reason is not None:
+                return GenerationResult("".join(text), token_ids, event.finish_reason, event.stats or {})
+        raise AssertionError("generation ended without a final event")
+
+    def clear_cache(self) -> None:
+        """Forget every cached prefix (the benchmark does this before each measured generation)."""
+        for slot in self.slots:
+            slot.target.clear()
+            if slot.draft is not None:
+                slot.draft.clear()
+
+    def close(self) -> None:
+        self.target.close()
+        if self.draft is not None:
+            self.draft.close()

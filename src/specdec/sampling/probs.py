@@ -1,0 +1,72 @@
+"""Logits -> the distribution the next token is drawn from.
+
+The same function serves plain and speculative decoding (and the draft model's own proposals), so
+temperature, top-k, top-p and min-p shape the target's distribution identically in every method.
+Order of the filters: temperature, softmax, top-k, top-p, min-p, renormalise.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from specdec.types import SamplingParams
+
+_TOP_P_PARTIAL_SORT = 2048  # sort only this many candidates for top-p unless they fall short
+
+
+def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """Float64 softmax of one row. logits: [vocab]."""
+    z = logits.astype(np.float64) / temperature
+    z -= z.max()
+    np.exp(z, out=z)
+    z /= z.sum()
+    return z
+
+
+def one_hot(index: int, size: int) -> np.ndarray:
+    out = np.zeros(size, dtype=np.float64)
+    out[index] = 1.0
+    return out
+
+
+def token_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The sampling distribution for one position. logits: [vocab] -> probs [vocab] (float64, sums to 1).
+
+    Greedy (temperature 0) is the one-hot of the argmax, so the lossless acceptance rule reduces to
+    "accept while the draft equals the argmax".
+    """
+    if params.greedy:
+        return one_hot(int(np.argmax(logits)), logits.shape[-1])
+    probs = softmax(logits, params.temperature)
+    if params.top_k and params.top_k < probs.size:
+        kth = np.partition(probs, -params.top_k)[-params.top_k]
+        probs[probs < kth] = 0.0
+    if params.top_p < 1.0:
+        probs = _top_p_filter(probs, params.top_p)
+    if params.min_p > 0.0:
+        probs[probs < params.min_p * probs.max()] = 0.0
+    probs /= probs.sum()
+    return probs
+
+
+def _top_p_filter(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one token)."""
+    total = probs.sum()
+    m = min(_TOP_P_PARTIAL_SORT, probs.size)
+    candidates = np.argpartition(probs, -m)[-m:]
+    order = candidates[np.argsort(-probs[candidates], kind="stable")]
+    cumulative = np.cumsum(probs[order])
+    if cumulative[-1] < top_p * total and m < probs.size:  # the partial sort fell short: sort all
+        order = np.argsort(-probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+    keep = int(np.searchsorted(cumulative, top_p * total, side="left")) + 1
+    out = np.zeros_like(probs)
+    kept = order[:keep]
+    out[kept] = probs[kept]
+    return out
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one index from probs [vocab] (need not be normalised) by inverse CDF."""
+    cumulative = np.cumsum(probs)
+    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    return min(index, probs.size - 1)

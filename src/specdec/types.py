@@ -1,0 +1,117 @@
+"""Small frozen dataclasses passed between the engine's stages.
+
+Naming: `target_*` is the model whose output we must reproduce, `draft_*` the cheap proposer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+METHODS = ("off", "ngram", "draft")
+DEFAULT_METHOD = "ngram"  # best measured so far on this CPU (docs/benchmarks.md)
+DEFAULT_NUM_DRAFT_TOKENS = 3
+
+
+class SpecdecError(Exception):
+    """An error meant for the user: its message is one clear sentence, shown without a traceback."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen from the target's logits.
+
+    temperature == 0 means greedy (argmax). The same transform is applied in plain and speculative
+    decoding, so speculation never changes the distribution being sampled.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise SpecdecError("temperature must be >= 0.")
+        if self.top_k < 0:
+            raise SpecdecError("top_k must be >= 0 (0 disables it).")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SpecdecError("top_p must be in (0, 1].")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SpecdecError("min_p must be in [0, 1].")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Which drafter proposes tokens, and how many per round."""
+
+    method: str = DEFAULT_METHOD
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise SpecdecError(f"unknown speculative method {self.method!r}; choose one of {', '.join(METHODS)}.")
+        if not 0 <= self.num_draft_tokens <= 32:
+            raise SpecdecError("num_draft_tokens must be between 0 and 32.")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: Optional[int] = 128  # None = until a stop or the context limit
+    sampling: SamplingParams = SamplingParams()
+    spec: SpecConfig = SpecConfig()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What a drafter proposes for the positions after the committed text.
+
+    draft_probs is None for a deterministic drafter (n-gram): the acceptance rule treats it as one-hot.
+    """
+
+    draft_tokens: tuple[int, ...]
+    draft_probs: Optional[np.ndarray] = None  # [k, vocab]
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of verifying one proposal.
+
+    accepted_tokens: the draft prefix the target agrees with.
+    next_token: the recovered token after a rejection, or the bonus token after full acceptance.
+    """
+
+    accepted_tokens: tuple[int, ...]
+    next_token: int
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_tokens)
+
+
+@dataclass
+class StreamEvent:
+    """One step of a streamed generation: new text and tokens; the last event carries the result."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" on the last event
+    stats: Optional[dict] = None  # GenerationStats.as_dict() on the last event
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)

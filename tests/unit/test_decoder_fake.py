@@ -1,0 +1,173 @@
+"""The decoding loop on the weightless fake backend: speculative greedy == plain greedy, caches in
+step after every round, stops honoured, text streamed in whole characters."""
+import numpy as np
+import pytest
+
+from specdec.backends.fake import FakeBackend
+from specdec.engine.decoder import Generation
+from specdec.engine.engine import Engine, EngineConfig
+from specdec.types import GenerationRequest, SamplingParams, SpecConfig, SpecdecError
+
+
+def make_engine(noise=0.6, **target_kwargs):
+    return Engine(FakeBackend(seed=7, **target_kwargs), FakeBackend(seed=7, noise=noise, **target_kwargs))
+
+
+def request(engine, prompt="the cat sat on the mat", method="off", k=4, max_tokens=60, **kw):
+    sampling = kw.pop("sampling", SamplingParams())
+    return GenerationRequest(
+        tuple(engine.encode_prompt(prompt, chat=True)), max_tokens, sampling, SpecConfig(method, k), **kw
+    )
+
+
+PROMPTS = ["the cat sat on the mat", "abc abc abc", "hello wörld", "x", "the the the cat"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_speculative_equals_plain(method, k):
+    engine = make_engine()
+    for prompt in PROMPTS:
+        plain = engine.generate(request(engine, prompt, "off"))
+        spec = engine.generate(request(engine, prompt, method, k))
+        assert spec.token_ids == plain.token_ids
+        assert spec.text == plain.text
+        assert spec.finish_reason == plain.finish_reason
+        assert spec.stats["drafted_tokens"] > 0
+
+
+def test_speculation_actually_saves_target_forwards():
+    engine = make_engine(noise=0.2)
+    engine.generate(request(engine, method="off", max_tokens=80))
+    plain_rounds = len(engine.target.eval_calls)
+    engine.target.eval_calls.clear()
+    result = engine.generate(request(engine, method="draft", k=4, max_tokens=80))
+    assert result.stats["accepted_tokens"] > 0
+    assert len(engine.target.eval_calls) < plain_rounds
+
+
+def test_caches_in_step_after_every_round():
+    engine = make_engine()
+    for method in ["off", "ngram", "draft"]:
+        gen = engine.new_generation(request(engine, method=method, k=5))
+        gen.start()
+        while not gen.finished:
+            gen.step()
+            # The target caches every committed token except the pending last one.
+            assert engine.target.cached_tokens(0) == gen.context[:-1] or gen.finished
+            assert engine.target_sequence.tokens == engine.target.cached_tokens(0)
+            if method == "draft":
+                draft_seq = engine.slots[0].draft
+                assert draft_seq.tokens == engine.draft.cached_tokens(0)
+                # The draft cache holds a prefix of the committed text plus at most k-1 unverified drafts.
+                common = 0
+                while common < min(len(draft_seq.tokens), len(gen.context)) and draft_seq.tokens[common] == gen.context[common]:
+                    common += 1
+                assert len(draft_seq.tokens) - common <= 4
+
+
+def test_max_tokens_and_length_finish():
+    engine = make_engine()
+    for method in ["off", "ngram", "draft"]:
+        result = engine.generate(request(engine, method=method, max_tokens=7, k=8, ignore_eos=True))
+        assert len(result.token_ids) == 7 and result.stats["generated_tokens"] == 7
+        assert result.finish_reason == "length"
+
+
+def test_context_limit_stops_all_methods_identically():
+    engine = make_engine(n_ctx=40)
+    outputs = {}
+    for method in ["off", "ngram", "draft"]:
+        result = engine.generate(request(engine, "abc", method=method, max_tokens=None, k=8, ignore_eos=True))
+        assert result.finish_reason == "length"
+        outputs[method] = result.token_ids
+    assert outputs["off"] == outputs["ngram"] == outputs["draft"]
+    assert len(outputs["off"]) + len(engine.encode_prompt("abc", chat=True)) == 41
+
+
+def test_prompt_longer_than_context_is_refused():
+    engine = make_engine(n_ctx=16)
+    with pytest.raises(SpecdecError, match="context holds only 16"):
+        engine.generate(request(engine, "a" * 40))
+
+
+def test_eos_stops_without_emitting_it():
+    engine = Engine(FakeBackend(seed=3, eog_bias=3.0))
+    result = engine.generate(request(engine, method="off", max_tokens=200))
+    assert result.finish_reason == "stop"
+    assert not set(result.token_ids) & engine.target.eog_token_ids
+
+
+@pytest.mark.parametrize("method", ["off", "ngram", "draft"])
+def test_stop_strings_cut_text_and_never_stream_partially(method):
+    engine = make_engine()
+    full = engine.generate(request(engine, method="off", max_tokens=60, ignore_eos=True)).text
+    stop = full[20:23]
+    expected = full[: full.index(stop)]
+    streamed = []
+    final = None
+    for event in engine.stream(request(engine, method=method, max_tokens=60, ignore_eos=True, stop=(stop,))):
+        streamed.append(event.text)
+        final = event
+    assert "".join(streamed) == expected
+    assert final.finish_reason == "stop"
+
+
+def test_streaming_never_splits_a_utf8_character():
+    engine = make_engine()
+    e_acute = engine.target.tokenize("é")
+    assert len(e_acute) == 2  # the fake vocabulary splits it over two tokens
+    gen = engine.new_generation(request(engine, method="off", max_tokens=1))
+    # Drive the assembler directly with the two halves.
+    gen.assembler.add(engine.target.token_bytes(e_acute[0]))
+    assert gen.assembler.take_delta() == ""
+    gen.assembler.add(engine.target.token_bytes(e_acute[1]))
+    assert gen.assembler.take_delta() == "é"
+
+
+def test_seeded_sampling_is_reproducible_per_method():
+    engine = make_engine()
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    for method in ["off", "ngram", "draft"]:
+        a = engine.generate(request(engine, method=method, sampling=sampling))
+        b = engine.generate(request(engine, method=method, sampling=sampling))
+        assert a.token_ids == b.token_ids
+
+
+def test_stats_keys_and_null_ratios():
+    engine = make_engine()
+    stats = engine.generate(request(engine, method="off", max_tokens=5)).stats
+    for key in ["method", "prompt_tokens", "generated_tokens", "draft_rounds", "drafted_tokens",
+                "accepted_tokens", "acceptance_rate", "mean_acceptance_length", "accepted_per_position",
+                "draft_seconds", "verify_seconds", "prompt_seconds", "ttft_seconds", "total_seconds",
+                "tokens_per_second"]:
+        assert key in stats
+    assert stats["acceptance_rate"] is None and stats["mean_acceptance_length"] is None
+    spec = engine.generate(request(engine, method="draft", k=3, max_tokens=30)).stats
+    assert spec["acceptance_rate"] == spec["accepted_tokens"] / spec["drafted_tokens"]
+    assert spec["mean_acceptance_length"] == 1 + spec["accepted_tokens"] / spec["draft_rounds"]
+    assert sum(spec["accepted_per_position"]) == spec["accepted_tokens"]
+
+
+def test_prefix_cache_reuses_the_prompt():
+    engine = make_engine()
+    first = engine.generate(request(engine, method="off", max_tokens=5))
+    second = engine.generate(request(engine, method="ngram", max_tokens=5))
+    assert first.stats["cached_prompt_tokens"] == 0
+    assert second.stats["cached_prompt_tokens"] == second.stats["prompt_tokens"] - 1
+    assert second.token_ids == first.token_ids
+
+
+def test_draft_with_other_vocabulary_is_refused():
+    target = FakeBackend()
+    draft = FakeBackend()
+    draft.pieces = draft.pieces[:-1]
+    draft.vocab_size -= 1
+    with pytest.raises(SpecdecError, match="vocabulary"):
+        Engine(target, draft)
+
+
+def test_draft_method_without_draft_model_is_a_clear_error():
+    engine = Engine(FakeBackend())
+    with pytest.raises(SpecdecError, match="draft model"):
+        engine.generate(request(engine, method="draft"))
