@@ -171,3 +171,15 @@ def test_draft_method_without_draft_model_is_a_clear_error():
     engine = Engine(FakeBackend())
     with pytest.raises(SpecdecError, match="draft model"):
         engine.generate(request(engine, method="draft"))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_stop_string_inside_an_accepted_run_ends_there(method):
+    engine = make_engine(noise=0.1)
+    full = engine.generate(request(engine, method="off", max_tokens=60, ignore_eos=True))
+    for start in range(5, 40, 3):
+        stop = full.text[start:start + 2]
+        plain = engine.generate(request(engine, method="off", max_tokens=60, ignore_eos=True, stop=(stop,)))
+        spec = engine.generate(request(engine, method=method, k=6, max_tokens=60, ignore_eos=True, stop=(stop,)))
+        assert spec.text == plain.text == full.text[: full.text.index(stop)]
+        assert spec.token_ids == plain.token_ids

@@ -1,11 +1,18 @@
 """llama.cpp backend on llama-cpp-python's low-level API.
 
-Exact mode (the default) configures llama.cpp so that evaluating k tokens in one batch gives, at
-every position, bit for bit the logits of k one-token steps: flash attention on, weight repacking
-off (`use_extra_bufts = False`; the repacked kernels change their accumulation order with the
-batch size), and flash attention forced onto its reference path (no KV-split for single tokens,
-no Q tiling for batches; see docs/exactness.md). Verification then can never change the text.
+Exact mode (the default) makes evaluating k tokens at once give, at every position, bit for bit
+the logits of k one-token steps (measured in docs/exactness.md):
+- decode-time evaluations go to llama_decode in pieces of at most 3 rows: from 4 rows the
+  repacked Q4_K weights switch from their one-row kernel (gemv) to a four-row kernel (gemm), and
+  from 8 rows ggml's tiled K-quant matmul takes over, each with its own accumulation order.
+  On this CPU a row costs about as much in any of them (the kernels are compute-bound), so the
+  pieces cost little; prompt processing keeps full batches, since the one-token steps and the
+  verifications that follow share its cache;
+- flash attention on, forced onto its reference path (GGML_CPU_FA_REFERENCE, a one-line switch
+  that scripts/patch_llama_cpp.sh adds to ggml): otherwise a one-token step over a cache of 512+
+  cells splits the KV across threads and merges partial softmaxes in another order.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -20,8 +27,8 @@ import numpy as np
 from specdec.backends.base import Backend
 from specdec.types import SpecdecError
 
-# Read by our patched ggml CPU backend (scripts/build_llama_cpp.sh); set before the library loads.
-EXACT_ENV = "GGML_CPU_FA_REFERENCE"
+EXACT_ENVIRONMENT = {"GGML_CPU_FA_REFERENCE": "1"}
+EXACT_MAX_DECODE_ROWS = 3  # the repacked Q4_K kernels switch to a 4-row gemm at 4 rows
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -43,7 +50,7 @@ def _llama():
 
         if not _initialised:
             if not os.environ.get("SPECDEC_LLAMA_LOG"):
-                _log_callback = llama_cpp.ggml_log_callback(lambda level, text, user_data: None)
+                _log_callback = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
                 llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
             llama_cpp.llama_backend_init()
             _initialised = True
@@ -74,10 +81,11 @@ class LlamaCppBackend(Backend):
     ):
         path = Path(model_path)
         check_gguf_file(path)
-        if exact:
-            os.environ[EXACT_ENV] = "1"
-        else:
-            os.environ.pop(EXACT_ENV, None)
+        for key, value in EXACT_ENVIRONMENT.items():
+            if exact:
+                os.environ[key] = value
+            else:
+                os.environ.pop(key, None)
         lib = _llama()
         self._lib = lib
         self.model_path = path
@@ -88,13 +96,13 @@ class LlamaCppBackend(Backend):
 
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = 0
-        model_params.use_extra_bufts = not exact
         self._model = lib.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
             raise SpecdecError(f"llama.cpp could not load {path}: the file is corrupt or not a supported GGUF model.")
 
         ctx_params = lib.llama_context_default_params()
-        ctx_params.n_ctx = n_ctx
+        ctx_params.n_ctx = n_ctx * max_sequences  # split evenly: each sequence gets n_ctx
+        ctx_params.kv_unified = False
         ctx_params.n_batch = n_batch
         ctx_params.n_ubatch = n_batch
         ctx_params.n_seq_max = max_sequences
@@ -106,12 +114,13 @@ class LlamaCppBackend(Backend):
         if not self._ctx:
             lib.llama_model_free(self._model)
             raise SpecdecError(f"llama.cpp could not create a context of {n_ctx} tokens for {path}.")
-        self.n_ctx = lib.llama_n_ctx(self._ctx)
+        self.n_ctx = lib.llama_n_ctx_seq(self._ctx)  # per sequence
         self._memory = lib.llama_get_memory(self._ctx)
         self._vocab = lib.llama_model_get_vocab(self._model)
         self.vocab_size = lib.llama_vocab_n_tokens(self._vocab)
         self.eog_token_ids = frozenset(t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(self._vocab, t))
         self._batch_capacity = max(n_batch, 64)
+        self._decode_rows = EXACT_MAX_DECODE_ROWS if exact else self._batch_capacity
         self._batch = lib.llama_batch_init(self._batch_capacity, 0, max(1, max_sequences))
         self._pieces: dict[int, bytes] = {}
         self._chat_template = self.metadata("tokenizer.chat_template")
@@ -182,9 +191,10 @@ class LlamaCppBackend(Backend):
             raise SpecdecError(f"the sequence would exceed the context of {self.n_ctx} tokens.")
         outputs: list[list[np.ndarray]] = [[] for _ in requests]
         lib = self._lib
+        rows_per_decode = self._batch_capacity if prefill else self._decode_rows
         with self._lock:
-            for chunk_start in range(0, len(flat), self._batch_capacity):
-                chunk = flat[chunk_start:chunk_start + self._batch_capacity]
+            for chunk_start in range(0, len(flat), rows_per_decode):
+                chunk = flat[chunk_start:chunk_start + rows_per_decode]
                 batch = self._batch
                 for i, (seq_id, pos, token, _) in enumerate(chunk):
                     batch.token[i] = token
@@ -215,7 +225,7 @@ class LlamaCppBackend(Backend):
             "threads": self.n_threads,
             "exact": self.exact,
             "flash_attn": True,
-            "weight_repacking": not self.exact,
+            "max_decode_rows": self._decode_rows,
         }
 
     def close(self) -> None:

@@ -105,6 +105,8 @@ class Generation:
             if not self._emit(token):
                 break
             new_tokens.append(token)
+            if self.finished:  # a stop string or the token limit ended it mid-run
+                break
         if self.stats.ttft_seconds is None:
             self.stats.ttft_seconds = self.clock() - self._started_at
         return self._event(new_tokens)

@@ -1,0 +1,17 @@
+# The two set-up commands of the README. Each installs (idempotently) what it needs first.
+.PHONY: install models demo test test-unit test-real
+
+install:
+	bash scripts/install.sh
+
+models: install
+	.venv/bin/specdec models pull
+
+# The main job: a generation on the default pair, streamed, with its stats.
+demo: models
+	.venv/bin/specdec generate --chat --max-tokens 96 \
+	  "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+
+# Both tiers in one run: hermetic unit tests (fake backend) and the real pair (loaded once).
+test: models
+	.venv/bin/python -m pytest -q tests

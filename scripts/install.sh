@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtual environment at .venv, llama-cpp-python built for this CPU with
+# specdec's exactness switch, and specdec with its test dependencies. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+LLAMA_CPP_PYTHON_VERSION=0.3.36
+PATCH_LEVEL=1  # bump when scripts/patch_llama_cpp.sh changes
+SPECDEC_HOME=${SPECDEC_HOME:-$HOME/.cache/specdec}
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip==24.3.1 2>/dev/null
+
+# CPU-specific build flags: the AVX-512 set where present, AVX2 otherwise, never AMX (its
+# llama.cpp path faults here) and never -march=native (a wheel built here must not crash elsewhere).
+cpu_flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+has() { [[ " $cpu_flags " == *" $1 "* ]]; }
+cmake_args="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF"
+has avx && cmake_args+=" -DGGML_AVX=ON"
+has avx2 && cmake_args+=" -DGGML_AVX2=ON"
+has fma && cmake_args+=" -DGGML_FMA=ON"
+has f16c && cmake_args+=" -DGGML_F16C=ON"
+if has avx512f; then
+  cmake_args+=" -DGGML_AVX512=ON"
+  has avx512_vnni && cmake_args+=" -DGGML_AVX512_VNNI=ON"
+  has avx512vbmi && cmake_args+=" -DGGML_AVX512_VBMI=ON"
+  has avx512_bf16 && cmake_args+=" -DGGML_AVX512_BF16=ON"
+fi
+build_key=$(printf '%s %s %s' "$LLAMA_CPP_PYTHON_VERSION" "$PATCH_LEVEL" "$cmake_args" | sha256sum | cut -c1-16)
+wheel_dir="$SPECDEC_HOME/wheels/llama-cpp-python-$build_key"
+
+llama_ok() {
+  .venv/bin/python - "$LLAMA_CPP_PYTHON_VERSION" <<'PY' 2>/dev/null
+import sys, pathlib, importlib.metadata as md
+assert md.version("llama-cpp-python") == sys.argv[1]
+import llama_cpp
+lib = pathlib.Path(llama_cpp.__file__).parent / "lib"
+assert any(b"GGML_CPU_FA_REFERENCE" in p.read_bytes() for p in lib.glob("libggml-cpu*.so*")), "unpatched build"
+PY
+}
+
+if ! llama_ok; then
+  if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    echo "specdec: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION for this CPU (about 10 minutes, once)" >&2
+    echo "specdec: CMAKE_ARGS=$cmake_args" >&2
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d "$work" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+    tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
+    src=$(ls -d "$work"/llama_cpp_python-*/)
+    bash scripts/patch_llama_cpp.sh "$src"
+    mkdir -p "$wheel_dir"
+    CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+      .venv/bin/python -m pip wheel -q --no-deps -w "$wheel_dir" "$src"
+  fi
+  .venv/bin/python -m pip install -q --force-reinstall --no-deps "$wheel_dir"/llama_cpp_python-*.whl
+  .venv/bin/python -m pip install -q "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" --find-links "$wheel_dir"
+  llama_ok || { echo "specdec: llama-cpp-python install failed its check" >&2; exit 1; }
+fi
+
+.venv/bin/python -m pip install -q -e ".[test]" --find-links "$wheel_dir"

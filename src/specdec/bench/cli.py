@@ -1,0 +1,236 @@
+"""`specdec bench`: measure every method on the same prompts and write records and a report.
+
+    specdec bench --dataset spec-bench --per-category 5 --max-tokens 128 \
+        --methods off,ngram,draft --num-draft-tokens 2,4 --out bench-out
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional
+
+from specdec.bench.datasets import SPEC_BENCH, load_prompts, spec_bench_path
+from specdec.bench.peers import LLAMA_SERVER, parse_peers, peer_status, run_llama_server
+from specdec.bench.records import RECORDS_FILE, RecordFile
+from specdec.bench.report import build_report
+from specdec.bench.runner import Runner, RunSettings, parse_configs, pending
+from specdec.types import SpecdecError
+
+META_FILE = "meta.json"
+# Settings a resumed run must share with the run it continues (records would not be comparable).
+RESUME_FIXED = ("dataset", "max_tokens", "temperature", "seed", "model", "draft_model")
+
+
+def _split(values) -> list[str]:
+    """["a,b", "c"] -> ["a", "b", "c"]: lists may be given comma- or space-separated."""
+    return [item.strip() for value in values or () for item in str(value).split(",") if item.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specdec.runtime import add_model_arguments
+
+    parser.add_argument("--dataset", default=SPEC_BENCH,
+                        help="spec-bench (read from $SPECDEC_SPEC_BENCH or ../shared/bench/), or a JSONL file "
+                             "with `prompt`, `messages` or `turns` per line and optional `category`")
+    parser.add_argument("--categories", nargs="+", help="only these categories (comma- or space-separated)")
+    parser.add_argument("--per-category", type=int, default=None,
+                        help="the first N prompts of each category, in file order")
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per generation (default 128)")
+    parser.add_argument("--methods", default="off,ngram,draft",
+                        help="comma-separated methods, each `method` or `method:kK` (default off,ngram,draft; off always runs)")
+    parser.add_argument("--num-draft-tokens", default=None,
+                        help="comma-separated K values; each speculative method runs once per K, labelled method:kK "
+                             "(default: the engine's default K, labelled by the method name)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed when temperature > 0 (plus the repeat index)")
+    parser.add_argument("--repeats", type=int, default=1, help="measured generations per (prompt, configuration)")
+    parser.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up rounds over all configurations (default 1)")
+    parser.add_argument("--out", default="bench-out", help="output folder: records.jsonl, report.md, report.json, charts")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out: measure only the (prompt, configuration, repeat) not yet recorded")
+    parser.add_argument("--peer", action="append", default=[], metavar="PEER",
+                        help="also measure llama-server=PATH (llama.cpp's server binary) or hf-assisted (repeatable)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_bench(args)
+
+
+def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = None) -> int:
+    """The bench command; engine_factory(args) builds the engine (default: specdec.runtime.load_engine)."""
+    if args.max_tokens is None or args.max_tokens < 1:
+        raise SpecdecError("--max-tokens must be at least 1.")
+    if args.repeats < 1:
+        raise SpecdecError("--repeats must be at least 1.")
+    if args.warmup < 0:
+        raise SpecdecError("--warmup must be >= 0.")
+    if args.temperature < 0:
+        raise SpecdecError("--temperature must be >= 0.")
+    try:
+        ks = [int(k) for k in _split([args.num_draft_tokens])] if args.num_draft_tokens else None
+    except ValueError:
+        raise SpecdecError("--num-draft-tokens takes comma-separated integers, e.g. 2,4.") from None
+    configs = parse_configs(_split([args.methods]), ks)
+    need_draft = any(c.method == "draft" for c in configs)
+    if need_draft and args.no_draft:
+        raise SpecdecError("--no-draft contradicts the draft method in --methods.")
+    args.no_draft = not need_draft  # load the draft model only when a draft configuration runs
+    prompts = load_prompts(args.dataset, _split(args.categories) or None, args.per_category)
+    peers = parse_peers(args.peer)
+    settings = RunSettings(args.max_tokens, args.temperature, args.repeats, args.warmup, args.seed)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with RecordFile(out / RECORDS_FILE, resume=args.resume) as records:  # refuses to overwrite a run
+        meta = _merge_meta(out / META_FILE, _run_meta(args, prompts, configs), args.resume)
+        if records.dropped_torn_line:
+            print(f"specdec bench: dropped a torn last line from {records.path}", file=sys.stderr)
+        try:
+            _measure(args, engine_factory, prompts, configs, settings, records, meta, peers, need_draft, out)
+        except KeyboardInterrupt:
+            build_report(records.records, meta, peer_status(peers), out)
+            print(f"specdec bench: interrupted; partial report in {out / 'report.md'}; "
+                  "run again with --resume to finish", file=sys.stderr)
+            raise
+        build_report(records.records, meta, peer_status(peers), out)
+    print(f"specdec bench: report in {out / 'report.md'}", file=sys.stderr)
+    return 0
+
+
+def _measure(args, engine_factory, prompts, configs, settings, records, meta, peers, need_draft, out) -> None:
+    """Our configurations (the engine is loaded only if some are still missing), then the peers."""
+    progress = not args.no_progress
+    if pending(prompts, configs, settings.repeats, records):
+        engine = (engine_factory or _load_engine)(args)
+        try:
+            meta["engine"] = {"target": engine.target.describe(),
+                              "draft": engine.draft.describe() if engine.draft is not None else None}
+            _write_meta(out / META_FILE, meta)
+            counts = Runner(engine, configs, settings, records, progress=progress).run(prompts)
+        finally:
+            engine.close()  # before any peer starts: the two must not share the cores or the memory
+        print(f"specdec bench: {counts['measured']} generations measured, {counts['failed']} failed, "
+              f"{counts['skipped']} already recorded", file=sys.stderr)
+    if peers.get(LLAMA_SERVER):
+        target, draft = _model_paths(args, need_draft)
+        draft_ks = [c.num_draft_tokens for c in configs if c.method == "draft"]
+        threads = args.threads or _usable_cores()  # the same threads as our engine's default
+        run_llama_server(peers[LLAMA_SERVER], prompts, draft_ks, settings, records, target, draft,
+                         out / "logs", args.ctx_size, threads, progress)
+
+
+def _load_engine(args: argparse.Namespace):
+    from specdec.runtime import load_engine
+
+    return load_engine(args)
+
+
+def _model_paths(args: argparse.Namespace, need_draft: bool) -> tuple[str, Optional[str]]:
+    from specdec.models.registry import DRAFT, TARGET
+    from specdec.runtime import resolve_model
+
+    target = str(resolve_model(args.model, TARGET))
+    draft = str(resolve_model(args.draft_model, DRAFT)) if need_draft else None
+    return target, draft
+
+
+def _file_sha256(path: str) -> Optional[str]:
+    try:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        return digest.hexdigest()
+    except OSError:
+        return None
+
+
+def _models_meta(args: argparse.Namespace, need_draft: bool) -> dict:
+    """Model files with sha256 (the registry's for the verified defaults, computed for user files)."""
+    from specdec.models.registry import DRAFT, TARGET
+
+    models = {}
+    for role, given, spec, wanted in (("target", args.model, TARGET, True), ("draft", args.draft_model, DRAFT, need_draft)):
+        if not wanted:
+            continue
+        if given:
+            models[role] = {"path": str(given), "sha256": _file_sha256(given)}
+        else:
+            models[role] = {"path": f"default: {spec.filename}", "sha256": spec.sha256}
+    return models
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _machine() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "cores_usable": _usable_cores()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["memory_gib"] = round(int(line.split()[1]) / 2**20, 1)
+                break
+    except OSError:
+        pass
+    return info
+
+
+def _run_meta(args: argparse.Namespace, prompts, configs) -> dict:
+    dataset = str(spec_bench_path()) if args.dataset == SPEC_BENCH else args.dataset
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "specdec " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None,
+        "dataset": args.dataset,
+        "dataset_path": dataset,
+        "prompts": len(prompts),
+        "categories": list(dict.fromkeys(p.category for p in prompts)),
+        "per_category": args.per_category,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "configs": [c.label for c in configs],
+        "model": args.model,
+        "draft_model": args.draft_model,
+        "models": _models_meta(args, any(c.method == "draft" for c in configs)),
+        "machine": _machine(),
+    }
+
+
+def _merge_meta(path: Path, meta: dict, resume: bool) -> dict:
+    """On resume, refuse settings that would make old and new records incomparable."""
+    if resume and path.exists():
+        previous = json.loads(path.read_text(encoding="utf-8"))
+        changed = [k for k in RESUME_FIXED if k in previous and previous[k] != meta[k]]
+        if changed:
+            raise SpecdecError(f"--resume with different {', '.join(changed)} than the run in {path.parent}; "
+                               "use the same settings or another --out.")
+        meta["first_started"] = previous.get("first_started", previous.get("date"))
+        meta["configs"] = list(dict.fromkeys([*previous.get("configs", []), *meta["configs"]]))
+    else:
+        meta["first_started"] = meta["date"]
+    _write_meta(path, meta)
+    return meta
+
+
+def _write_meta(path: Path, meta: dict) -> None:
+    path.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

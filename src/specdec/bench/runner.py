@@ -1,0 +1,281 @@
+"""Measuring: every configuration on every prompt, interleaved per prompt, `off` first.
+
+Order: warm-up, then for each prompt, for each repeat, every configuration in turn, so slow
+drifts of the machine (heat, other load) hit all configurations alike. Before every measured
+generation the engine forgets all cross-request state (`reset_between_generations`), so no
+configuration reuses the cache or the text of another. A generation that fails becomes a record
+with success = false; the benchmark itself never raises on one.
+
+After a greedy configuration's output differs from `off`'s for the same prompt and repeat, the
+runner re-evaluates the target at the first differing position, outside the timed region, and
+stores the target's logit margin there (top-1 minus top-2): a margin near zero means the two
+runs stood on a numerical tie, a large one means a real bug.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from specdec.bench.datasets import BenchPrompt
+from specdec.bench.records import RecordFile
+from specdec.engine.sequence import CachedSequence
+from specdec.types import (DEFAULT_NUM_DRAFT_TOKENS, METHODS, GenerationRequest, SamplingParams,
+                           SpecConfig, SpecdecError)
+
+log = logging.getLogger(__name__)
+
+BASELINE = "off"
+WARMUP_MAX_TOKENS = 32
+SOURCE = "specdec"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One measured configuration: a method and its draft length, labelled `method` or `method:kK`."""
+
+    label: str
+    method: str
+    num_draft_tokens: int
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    repeats: int = 1
+    warmup: int = 1
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def parse_configs(
+    methods: Sequence[str],
+    num_draft_tokens: Optional[Sequence[int]] = None,
+    default_k: int = DEFAULT_NUM_DRAFT_TOKENS,
+) -> list[BenchConfig]:
+    """Configurations from method names (`ngram`, or `ngram:k4` for one K) and a list of K.
+
+    Without a K list each method runs at the default K and is labelled by its name; with one,
+    each speculative method runs once per K, labelled `method:kK`. `off` always runs, first.
+    Example: methods ["ngram", "draft:k2"], K [2, 4] -> off, ngram:k2, ngram:k4, draft:k2.
+    """
+    configs = [BenchConfig(BASELINE, BASELINE, 0)]
+    for entry in methods:
+        entry = entry.strip()
+        if not entry:
+            continue
+        name, _, k_part = entry.partition(":")
+        if name not in METHODS:
+            raise SpecdecError(f"unknown method {name!r} in --methods; choose from {', '.join(METHODS)}.")
+        if name == BASELINE:
+            continue
+        if k_part:
+            if not (k_part.startswith("k") and k_part[1:].isdigit()):
+                raise SpecdecError(f"bad configuration {entry!r}: write it as {name} or {name}:kK, e.g. {name}:k4.")
+            pairs = [(f"{name}:{k_part}", int(k_part[1:]))]
+        elif num_draft_tokens:
+            pairs = [(f"{name}:k{k}", k) for k in num_draft_tokens]
+        else:
+            pairs = [(name, default_k)]
+        for label, k in pairs:
+            if not 1 <= k <= 32:
+                raise SpecdecError(f"{label}: the number of draft tokens must be between 1 and 32.")
+            if all(c.label != label for c in configs):
+                configs.append(BenchConfig(label, name, k))
+    return configs
+
+
+def reset_between_generations(engine) -> None:
+    """Forget everything a generation could carry into the next: cached prefixes and any
+    cross-request state (an engine that learns across requests exposes
+    `reset_cross_request_state()`, called here)."""
+    engine.clear_cache()
+    hook = getattr(engine, "reset_cross_request_state", None)
+    if callable(hook):
+        hook()
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    """The first position where two token lists differ (a length counts), or None if equal."""
+    for position, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return position
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def target_logit_margin(engine, prompt_ids: Sequence[int], off_tokens: Sequence[int], position: int) -> tuple[float, int]:
+    """The target's top-1 minus top-2 logit, and its argmax, at output `position` of the off run.
+
+    Evaluates prompt + off_tokens[:position] on a fresh sequence after clearing every cache.
+    """
+    reset_between_generations(engine)
+    context = list(prompt_ids) + list(off_tokens[:position])
+    sequence = CachedSequence(engine.target, 0)
+    try:
+        sequence.prefill(context[:-1])
+        logits = np.asarray(sequence.extend([context[-1]])[-1], dtype=np.float64)  # [vocab]
+    finally:
+        sequence.clear()
+    top2 = np.partition(logits, -2)[-2:]
+    return float(top2[1] - top2[0]), int(np.argmax(logits))
+
+
+def pending(prompts: Sequence[BenchPrompt], configs: Sequence[BenchConfig], repeats: int,
+            records: RecordFile) -> list[tuple[BenchPrompt, int, BenchConfig]]:
+    """The (prompt, repeat, configuration) not yet recorded, in measuring order."""
+    return [
+        (prompt, repeat, config)
+        for prompt in prompts
+        for repeat in range(repeats)
+        for config in configs
+        if (prompt.id, config.label, repeat) not in records
+    ]
+
+
+class Runner:
+    """Runs the plan against one engine, appending one record per (prompt, configuration, repeat)."""
+
+    def __init__(
+        self,
+        engine,
+        configs: Sequence[BenchConfig],
+        settings: RunSettings,
+        records: RecordFile,
+        clock: Callable[[], float] = time.perf_counter,
+        progress: bool = True,
+    ):
+        if not configs or configs[0].label != BASELINE:
+            raise ValueError("the first configuration must be the baseline `off`")
+        self.engine = engine
+        self.configs = list(configs)
+        self.settings = settings
+        self.records = records
+        self.clock = clock
+        self.progress = progress
+
+    def run(self, prompts: Sequence[BenchPrompt]) -> dict:
+        todo = pending(prompts, self.configs, self.settings.repeats, self.records)
+        counts = {"planned": len(prompts) * self.settings.repeats * len(self.configs),
+                  "measured": 0, "failed": 0, "skipped": 0}
+        counts["skipped"] = counts["planned"] - len(todo)
+        if not todo:
+            return counts
+        self.warm_up(prompts)
+        from tqdm import tqdm
+
+        encoded: dict[str, object] = {}
+        with tqdm(total=len(todo), unit="gen", desc="bench", file=sys.stderr, disable=not self.progress,
+                  dynamic_ncols=True) as bar:
+            for prompt, repeat, config in todo:
+                bar.set_postfix_str(f"{prompt.category}/{prompt.id} {config.label} r{repeat}", refresh=False)
+                if prompt.id not in encoded:
+                    encoded[prompt.id] = self._encode(prompt)
+                record = self.measure(prompt, encoded[prompt.id], config, repeat)
+                self.records.append(record)
+                counts["measured"] += 1
+                if not record["success"]:
+                    counts["failed"] += 1
+                    bar.write(f"prompt {prompt.id}, {config.label}, repeat {repeat} failed: {record['error']}",
+                              file=sys.stderr)
+                bar.update(1)
+        return counts
+
+    # -- one generation ----------------------------------------------------------------------
+    def _encode(self, prompt: BenchPrompt):
+        try:
+            return list(self.engine.encode_prompt(list(prompt.messages), chat=True))
+        except Exception as exc:  # recorded with every configuration of this prompt
+            return exc
+
+    def request(self, prompt_ids: Sequence[int], config: BenchConfig, repeat: int, max_tokens: int) -> GenerationRequest:
+        seed = None if self.settings.greedy else self.settings.seed + repeat
+        return GenerationRequest(
+            prompt_token_ids=tuple(prompt_ids),
+            max_tokens=max_tokens,
+            sampling=SamplingParams(temperature=self.settings.temperature, seed=seed),
+            spec=SpecConfig(config.method, config.num_draft_tokens),
+        )
+
+    def measure(self, prompt: BenchPrompt, prompt_ids, config: BenchConfig, repeat: int) -> dict:
+        record = {
+            "source": SOURCE,
+            "prompt_id": prompt.id,
+            "category": prompt.category,
+            "config": config.label,
+            "method": config.method,
+            "num_draft_tokens": config.num_draft_tokens,
+            "repeat": repeat,
+            "success": False,
+            "error": None,
+            "prompt_tokens": None,
+            "output_token_ids": [],
+            "text": None,
+            "finish_reason": None,
+            "wall_seconds": None,
+            "stats": None,
+            "matches_off": None,
+            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        if isinstance(prompt_ids, Exception):
+            record["error"] = f"encoding the prompt failed: {type(prompt_ids).__name__}: {prompt_ids}"
+            return record
+        record["prompt_tokens"] = len(prompt_ids)
+        try:
+            request = self.request(prompt_ids, config, repeat, self.settings.max_tokens)
+            reset_between_generations(self.engine)
+            started = self.clock()
+            result = self.engine.generate(request)
+            record["wall_seconds"] = self.clock() - started
+        except Exception as exc:
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            return record
+        record.update(success=True, output_token_ids=list(result.token_ids), text=result.text,
+                      finish_reason=result.finish_reason, stats=dict(result.stats))
+        if config.label != BASELINE:
+            self._compare_with_off(record, prompt, prompt_ids, repeat)
+        return record
+
+    def _compare_with_off(self, record: dict, prompt: BenchPrompt, prompt_ids, repeat: int) -> None:
+        off = self.records.find((prompt.id, BASELINE, repeat))
+        if off is None or not off.get("success") or not self.settings.greedy:
+            return  # equality is only meaningful against a successful greedy baseline
+        off_tokens = off["output_token_ids"]
+        position = first_difference(off_tokens, record["output_token_ids"])
+        record["matches_off"] = position is None
+        if position is None:
+            return
+        record["first_diff_position"] = position
+        record["off_token"] = off_tokens[position] if position < len(off_tokens) else None  # None: off stopped
+        tokens = record["output_token_ids"]
+        record["token"] = tokens[position] if position < len(tokens) else None
+        try:
+            margin, argmax = target_logit_margin(self.engine, prompt_ids, off_tokens, position)
+            record["target_logit_margin"] = margin
+            record["target_argmax_at_diff"] = argmax
+        except Exception as exc:
+            record["target_logit_margin"] = None
+            record["margin_error"] = f"{type(exc).__name__}: {exc}"
+
+    def warm_up(self, prompts: Sequence[BenchPrompt]) -> None:
+        """Run each configuration `warmup` times, unrecorded, on short generations."""
+        for i in range(self.settings.warmup):
+            prompt = prompts[i % len(prompts)]
+            prompt_ids = self._encode(prompt)
+            if isinstance(prompt_ids, Exception):
+                continue
+            for config in self.configs:
+                try:
+                    reset_between_generations(self.engine)
+                    max_tokens = min(self.settings.max_tokens, WARMUP_MAX_TOKENS)
+                    self.engine.generate(self.request(prompt_ids, config, 0, max_tokens))
+                except Exception as exc:
+                    log.warning("warm-up of %s failed: %s", config.label, exc)

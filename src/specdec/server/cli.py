@@ -1,0 +1,103 @@
+"""`specdec serve`: the OpenAI-compatible server on the engine.
+
+SIGTERM (or Ctrl-C) drains: the server stops taking requests, in-flight ones finish, and whatever
+is still running after `--drain-grace` seconds is cancelled.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from specdec.types import SpecConfig, SpecdecError
+
+API_KEY_ENV = "SPECDEC_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specdec.runtime import add_method_arguments, add_model_arguments
+
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require `Authorization: Bearer KEY` on every route but /health (or set {API_KEY_ENV})")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send and /v1/models lists (default: the target file's stem)")
+    add_method_arguments(parser)
+    parser.add_argument("--parallel", type=int, default=4, help="slots: sequences generated concurrently (default 4)")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests waiting for a slot before new ones get 429 (default 64)")
+    parser.add_argument("--max-tokens", type=int, default=1024,
+                        help="tokens generated when a request sets no max_tokens (default 1024)")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds a request may take; then its generation is cut (default 600)")
+    parser.add_argument("--drain-grace", type=float, default=30.0,
+                        help="seconds in-flight requests may run on after SIGTERM (default 30)")
+    parser.add_argument("--sequential-verify", action="store_true",
+                        help="verify each stream in its own target forward instead of one batched forward for all "
+                             "(slower with several streams; for backends whose batched logits are not exact)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_model_arguments(parser)
+
+
+def build_config(args: argparse.Namespace, default_name: str) -> "ServerConfig":
+    from specdec.server.config import ServerConfig
+
+    for flag, value, low in (("--parallel", args.parallel, 1), ("--max-queue", args.max_queue, 0),
+                             ("--max-tokens", args.max_tokens, 1)):
+        if value < low:
+            raise SpecdecError(f"{flag} must be >= {low}.")
+    if args.request_timeout <= 0:
+        raise SpecdecError("--request-timeout must be > 0.")
+    spec = SpecConfig(args.method, args.num_draft_tokens)
+    spec.validate()
+    if spec.method == "draft" and args.no_draft:
+        raise SpecdecError("--method draft needs a draft model; drop --no-draft.")
+    return ServerConfig(
+        served_model_name=args.served_model_name or default_name,
+        spec=spec,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_queue=args.max_queue,
+        max_tokens=args.max_tokens,
+        request_timeout=args.request_timeout,
+        batch_verify=not args.sequential_verify,
+    )
+
+
+def make_server(app, host: str, port: int, drain_grace: float, log_level: str = "info"):
+    """A uvicorn server whose SIGTERM/SIGINT first closes the scheduler to new requests (503, and
+    /health answers 503 "draining"), then lets uvicorn wait up to `drain_grace` seconds for the
+    requests in flight before it cancels them."""
+    import uvicorn
+
+    scheduler = app.state.specdec.scheduler
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            scheduler.begin_drain()
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                         timeout_graceful_shutdown=drain_grace))
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdec.models.registry import TARGET, default_path
+    from specdec.runtime import load_engine
+    from specdec.server.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    default_name = Path(args.model).stem if args.model else default_path(TARGET).stem
+    config = build_config(args, default_name)
+    engine = load_engine(args, n_slots=args.parallel)
+    try:
+        app = create_app(engine, config)
+        server = make_server(app, args.host, args.port, args.drain_grace, args.log_level)
+        logging.getLogger("specdec.server").info(
+            "serving %r on http://%s:%d (method %s, k=%d, %d slots)", config.served_model_name, args.host,
+            args.port, config.spec.method, config.spec.num_draft_tokens, args.parallel)
+        server.run()
+        return 0
+    finally:
+        engine.close()

@@ -1,0 +1,20 @@
+"""The server's settings, frozen; the CLI fills them from flags."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from specdec.types import SpecConfig
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str = "specdec"
+    spec: SpecConfig = field(default_factory=SpecConfig)  # what `speculative_decoding: true` / `auto` mean
+    api_key: Optional[str] = None  # every route but /health then needs `Authorization: Bearer <key>`
+    max_queue: int = 64  # requests waiting for a slot; beyond that, 429
+    max_tokens: int = 1024  # the cap when a request gives no max_tokens
+    request_timeout: float = 600.0  # seconds from arrival; then the generation is cut (finish_reason "length")
+    retry_after: int = 1  # seconds, in the Retry-After header of a 429
+    prefill_chunk: int = 512  # prompt tokens processed per scheduler iteration (long prompts don't stall others)
+    batch_verify: bool = True  # one batched target forward for all sequences; False: one forward each

@@ -1,0 +1,119 @@
+"""OpenAI-shaped errors: every failure answers `{"error": {"message", "type", "param", "code"}}`.
+
+Bad input is a 4xx naming the parameter; a 500 only ever means a bug in the server.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+logger = logging.getLogger("specdec.server")
+
+
+class APIError(Exception):
+    """An error answered to the client as-is."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None, headers: Optional[dict[str, str]] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = "invalid_value") -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def error_body(message: str, type: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> Response:
+    return json_response(error_body(error.message, error.type, error.param, error.code), error.status, error.headers)
+
+
+def json_response(content: Any, status: int = 200, headers: Optional[dict[str, str]] = None) -> Response:
+    # ensure_ascii: a lone surrogate echoed from the request can never break the encoding.
+    body = json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
+
+
+# -- request validation ------------------------------------------------------------------------
+_UNION_TAG = re.compile(r"^[a-z-]+(\[.*\])?$|^[A-Z]\w*$")  # pydantic's loc entries naming a union member
+_FIELD_NAMES: set[str] = set()  # filled by protocol.py: real field names are never taken for union tags
+
+
+def register_field_names(names) -> None:
+    _FIELD_NAMES.update(names)
+
+
+def _param(loc: tuple) -> Optional[str]:
+    parts: list[str] = []
+    for item in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif item in _FIELD_NAMES or not _UNION_TAG.match(str(item)):
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = list(exc.errors())
+    if not errors:
+        return bad_request("the request is invalid.")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request("the request body is not valid JSON.", None, "invalid_json")
+    if first.get("loc") == ("body",) and first.get("type") == "missing":
+        return bad_request("the request body is missing; send a JSON object.", None, "missing_body")
+    # Among the alternatives of a union, the deepest error on the first bad field explains the mistake.
+    field = tuple(first.get("loc", ()))[:2]
+    same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == field]
+    error = max(same_field, key=lambda e: len(e.get("loc", ())))
+    param = _param(tuple(error.get("loc", ())))
+    message = str(error.get("msg", "invalid value"))
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if message.startswith(prefix):
+            message = message[len(prefix):]
+    if error.get("type") == "extra_forbidden":
+        loc = tuple(error.get("loc", ()))
+        base = _param(loc[:-1])
+        param = f"{base}.{loc[-1]}" if base else str(loc[-1])
+        message = "unrecognized field; this server does not support it"
+    elif error.get("type") == "model_attributes_type" and param is None:
+        message = "the request body must be a JSON object"
+    code = "unsupported_parameter" if error.get("type") == "extra_forbidden" else "invalid_value"
+    return bad_request(f"{param}: {message}" if param else message, param, code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = {404: f"no route {request.url.path}.", 405: f"method {request.method} is not allowed on {request.url.path}."}
+        return json_response(error_body(message.get(exc.status_code, str(exc.detail)), kind), exc.status_code,
+                             dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("internal error on %s", request.url.path)
+        return json_response(error_body("internal server error.", "server_error", None, "internal_error"), 500)

@@ -1,0 +1,113 @@
+"""Prometheus metrics, one CollectorRegistry per app (no global registry).
+
+The speculative counters carry the names people already scrape (vLLM's `spec_decode_*`), with the
+`specdec:` prefix; prometheus-client exports counters with a `_total` suffix, as vLLM's are:
+  specdec:spec_decode_num_drafts_total                  draft rounds (at least one token proposed)
+  specdec:spec_decode_num_draft_tokens_total            tokens proposed
+  specdec:spec_decode_num_accepted_tokens_total         tokens accepted
+  specdec:spec_decode_num_accepted_tokens_per_pos_total{position="i"}  accepted at draft position i
+so acceptance rate = accepted / draft_tokens and mean acceptance length = 1 + accepted / drafts.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = registry = CollectorRegistry()
+        labels = ["model_name", "method"]
+        self.num_drafts = Counter("specdec:spec_decode_num_drafts", "Draft rounds (at least one token proposed).",
+                                  labels, registry=registry)
+        self.num_draft_tokens = Counter("specdec:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                                        labels, registry=registry)
+        self.num_accepted_tokens = Counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                           labels, registry=registry)
+        self.accepted_per_pos = Counter("specdec:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted, by position in the draft (0 = first).",
+                                        labels + ["position"], registry=registry)
+        self.request_success = Counter("specdec:request_success", "Finished generations, by finish reason.",
+                                       ["model_name", "finished_reason"], registry=registry)
+        self.prompt_tokens = Counter("specdec:prompt_tokens", "Prompt tokens of finished generations.",
+                                     ["model_name"], registry=registry)
+        self.cached_prompt_tokens = Counter("specdec:prefix_cache_hit_tokens",
+                                            "Prompt tokens reused from the prefix cache.", ["model_name"],
+                                            registry=registry)
+        self.generation_tokens = Counter("specdec:generation_tokens", "Tokens generated.", ["model_name"],
+                                         registry=registry)
+        self.ttft = Histogram("specdec:time_to_first_token_seconds", "Arrival to first generated token.",
+                              ["model_name"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.e2e_latency = Histogram("specdec:e2e_request_latency_seconds", "Arrival to last generated token.",
+                                     ["model_name"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.http_requests = Counter("specdec:http_requests", "HTTP requests, by route and status code.",
+                                     ["route", "status"], registry=registry)
+        self.http_latency = Histogram("specdec:http_request_duration_seconds", "HTTP request duration.",
+                                      ["route"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.running = Gauge("specdec:num_requests_running", "Generations holding a slot.", ["model_name"],
+                             registry=registry)
+        self.waiting = Gauge("specdec:num_requests_waiting", "Requests queued for a slot.", ["model_name"],
+                             registry=registry)
+
+    def track_scheduler(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+        self.running.labels(self.model_name).set_function(running)
+        self.waiting.labels(self.model_name).set_function(waiting)
+
+    # -- recording (thread-safe: called from the scheduler thread) ------------------------------
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+
+    def observe_finished(self, stats: dict, finish_reason: str, seconds: float) -> None:
+        model = self.model_name
+        self.request_success.labels(model, finish_reason).inc()
+        self.e2e_latency.labels(model).observe(seconds)
+        self.prompt_tokens.labels(model).inc(stats.get("prompt_tokens", 0))
+        self.cached_prompt_tokens.labels(model).inc(stats.get("cached_prompt_tokens", 0))
+        self.generation_tokens.labels(model).inc(stats.get("generated_tokens", 0))
+        method = stats.get("method", "off")
+        self.num_drafts.labels(model, method).inc(stats.get("draft_rounds", 0))
+        self.num_draft_tokens.labels(model, method).inc(stats.get("drafted_tokens", 0))
+        self.num_accepted_tokens.labels(model, method).inc(stats.get("accepted_tokens", 0))
+        for position, accepted in enumerate(stats.get("accepted_per_position", [])):
+            self.accepted_per_pos.labels(model, method, str(position)).inc(accepted)
+
+    def observe_http(self, path: str, status: int, seconds: float) -> None:
+        route = path if path in ROUTES else "other"
+        self.http_requests.labels(route, str(status)).inc()
+        self.http_latency.labels(route).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HTTPMetricsMiddleware:
+    """Counts every HTTP request by route and status, and times it to its last byte (pure ASGI, so
+    streaming responses pass through untouched)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.monotonic()
+        status = {"code": 500}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.observe_http(scope.get("path", ""), status["code"], time.monotonic() - started)

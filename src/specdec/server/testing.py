@@ -1,0 +1,38 @@
+"""Running the app on loopback in a background thread (tests, benchmarks, examples)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import uvicorn
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serve_in_thread(app, host: str = "127.0.0.1", timeout: float = 10.0,
+                    graceful: float = 5.0) -> Iterator[tuple[str, uvicorn.Server]]:
+    """Yields (base_url, server); the server stops when the block ends."""
+    from specdec.server.cli import make_server
+
+    port = free_port(host)
+    server = make_server(app, host, port, graceful, "warning")
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{port}", server
+    finally:
+        server.should_exit = True
+        thread.join(timeout)

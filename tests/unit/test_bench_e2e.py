@@ -1,0 +1,173 @@
+"""A tiny end-to-end benchmark on the weightless fake backend: records, report.md, report.json and
+the charts; configuration labels; cache resets; failures recorded, not raised; and the target's
+logit margin at the first token where a configuration's output left off's."""
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from specdec.backends.fake import FakeBackend
+from specdec.bench.cli import add_arguments, run_bench
+from specdec.bench.runner import BenchConfig, first_difference, parse_configs
+from specdec.engine.engine import Engine
+from specdec.types import DEFAULT_NUM_DRAFT_TOKENS, SpecdecError
+
+PROMPTS = [
+    {"id": "p1", "prompt": "the cat sat on the mat", "category": "chat"},
+    {"id": "p2", "prompt": "abc abc abc abc", "category": "code"},
+    {"id": "p3", "messages": [{"role": "user", "content": "hello world"}], "category": "chat"},
+]
+
+
+def fake_engine(_args=None):
+    return Engine(FakeBackend(seed=7), FakeBackend(seed=7, noise=0.6))
+
+
+class Wrapped:
+    """An engine that behaves like the real one, with hooks for tests."""
+
+    def __init__(self, engine, on_generate=None, perturb=None):
+        self.engine = engine
+        self.on_generate = on_generate
+        self.perturb = perturb
+        self.calls = []
+        self.resets = 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def reset_cross_request_state(self):
+        self.resets += 1
+
+    def generate(self, request):
+        self.calls.append(request.spec.method)
+        if self.on_generate:
+            self.on_generate(request, len(self.calls))
+        result = self.engine.generate(request)
+        if self.perturb and request.spec.method != "off":
+            result.token_ids = self.perturb(list(result.token_ids))
+        return result
+
+
+def bench_args(tmp_path, *extra):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--dataset", str(data), "--out", str(tmp_path / "out"), "--max-tokens", "24",
+                              "--no-progress", *extra])
+
+
+def read_records(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+
+
+def test_parse_configs_labels_and_always_runs_off_first():
+    assert parse_configs(["ngram"]) == [BenchConfig("off", "off", 0), BenchConfig("ngram", "ngram", DEFAULT_NUM_DRAFT_TOKENS)]
+    labels = [c.label for c in parse_configs(["ngram", "draft:k2", "off"], [2, 4])]
+    assert labels == ["off", "ngram:k2", "ngram:k4", "draft:k2"]
+    with pytest.raises(SpecdecError, match="unknown method"):
+        parse_configs(["eagle"])
+    with pytest.raises(SpecdecError, match="ngram:k4"):
+        parse_configs(["ngram:4"])
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2  # one stopped earlier
+
+
+def test_end_to_end_on_the_fake_backend(tmp_path):
+    args = bench_args(tmp_path, "--methods", "off,ngram,draft", "--num-draft-tokens", "2,3", "--repeats", "2")
+    engine = Wrapped(fake_engine())
+    assert run_bench(args, engine_factory=lambda a: engine) == 0
+    out = tmp_path / "out"
+    records = read_records(tmp_path)
+    labels = ["off", "ngram:k2", "ngram:k3", "draft:k2", "draft:k3"]
+    assert len(records) == len(PROMPTS) * 2 * len(labels)
+    # interleaved per prompt and repeat, off first
+    assert [(r["prompt_id"], r["repeat"], r["config"]) for r in records[:6]] == \
+        [("p1", 0, label) for label in labels] + [("p1", 1, "off")]
+    assert all(r["success"] for r in records)
+    assert all(r["matches_off"] is True for r in records if r["config"] != "off")  # lossless greedy
+    first = records[1]
+    for key in ("method", "prompt_tokens", "generated_tokens", "draft_rounds", "drafted_tokens", "accepted_tokens",
+                "acceptance_rate", "mean_acceptance_length", "accepted_per_position", "draft_seconds",
+                "verify_seconds", "prompt_seconds", "ttft_seconds", "total_seconds", "tokens_per_second"):
+        assert key in first["stats"], key
+    assert first["wall_seconds"] > 0 and first["output_token_ids"] and first["category"] == "chat"
+    # a reset before every measured generation (plus the warm-up ones)
+    assert engine.resets >= len(records)
+    for name in ("report.md", "report.json", "speedup_by_category.png", "acceptance_length_histogram.png", "meta.json"):
+        assert (out / name).exists(), name
+    report = json.loads((out / "report.json").read_text())
+    assert report["configs"] == labels
+    assert list(report["summary"]) == ["chat", "code", "overall"]
+    assert report["summary"]["overall"]["draft:k2"]["identical_to_off"] == 6
+    assert report["summary"]["overall"]["draft:k2"]["speedup_mean"] > 0
+    assert report["peers"]["llama-server"]["status"].startswith("not run")
+    markdown = (out / "report.md").read_text()
+    assert "## Overall" in markdown and "## chat" in markdown and "| draft:k3 |" in markdown
+    assert "not run: needs the PyTorch backend" in markdown
+    assert "Every successful output is identical to off" in markdown
+
+
+def test_draft_model_is_loaded_only_when_a_draft_configuration_runs(tmp_path):
+    seen = []
+    args = bench_args(tmp_path, "--methods", "off,ngram", "--warmup", "0")
+    run_bench(args, engine_factory=lambda a: seen.append(a.no_draft) or Engine(FakeBackend(seed=7)))
+    assert seen == [True]
+    args = bench_args(tmp_path, "--methods", "draft", "--no-draft", "--out", str(tmp_path / "other"))
+    with pytest.raises(SpecdecError, match="--no-draft"):
+        run_bench(args, engine_factory=fake_engine)
+
+
+def test_failures_become_records_and_the_run_goes_on(tmp_path):
+    def fail_ngram(request, n):
+        if request.spec.method == "ngram":
+            raise RuntimeError("drafter exploded")
+
+    args = bench_args(tmp_path, "--methods", "off,ngram,draft", "--warmup", "0")
+    assert run_bench(args, engine_factory=lambda a: Wrapped(fake_engine(), on_generate=fail_ngram)) == 0
+    records = read_records(tmp_path)
+    failed = [r for r in records if not r["success"]]
+    assert [r["config"] for r in failed] == ["ngram"] * 3
+    assert failed[0]["error"] == "RuntimeError: drafter exploded"
+    assert all(r["success"] for r in records if r["config"] != "ngram")
+    assert "drafter exploded" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_difference_records_its_position_and_the_target_logit_margin(tmp_path):
+    def perturb(tokens):
+        tokens[3] = (tokens[3] + 1) % 100
+        return tokens
+
+    args = bench_args(tmp_path, "--methods", "off,ngram", "--warmup", "0")
+    engine = Engine(FakeBackend(seed=7))
+    assert run_bench(args, engine_factory=lambda a: Wrapped(engine, perturb=perturb)) == 0
+    records = read_records(tmp_path)
+    off, ngram = records[0], records[1]
+    assert ngram["matches_off"] is False
+    assert ngram["first_diff_position"] == 3
+    assert ngram["off_token"] == off["output_token_ids"][3]
+    # the margin is the target's top-1 minus top-2 logit after prompt + off[:3]
+    prompt_ids = engine.encode_prompt([{"role": "user", "content": PROMPTS[0]["prompt"]}], chat=True)
+    logits = np.sort(FakeBackend(seed=7)._row(prompt_ids + off["output_token_ids"][:3]).astype(np.float64))
+    assert ngram["target_logit_margin"] == pytest.approx(logits[-1] - logits[-2], rel=1e-6)
+    assert ngram["target_argmax_at_diff"] == off["output_token_ids"][3]
+    # the re-evaluation left the engine's caches consistent: later prompts still match when unperturbed
+    assert all(r["success"] for r in records)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert len(report["differences"]) == 3
+    assert report["summary"]["overall"]["ngram"]["identical_to_off"] == 0
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(tmp_path):
+    args = bench_args(tmp_path, "--methods", "off", "--warmup", "0")
+    run_bench(args, engine_factory=fake_engine)
+    before = (tmp_path / "out" / "records.jsonl").read_text()
+    with pytest.raises(SpecdecError, match="--resume"):
+        run_bench(args, engine_factory=fake_engine)
+    assert (tmp_path / "out" / "records.jsonl").read_text() == before

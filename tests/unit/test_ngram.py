@@ -1,0 +1,26 @@
+from specdec.drafters.ngram import find_ngram_continuation
+
+
+def test_docstring_example():
+    assert find_ngram_continuation([1, 2, 3, 9, 1, 2], k=2, max_ngram=2) == (3, 9)
+
+
+def test_prefers_longest_ngram_then_most_recent_match():
+    # suffix (7, 1, 2): only the 3-gram at index 4 matches (-> 5); the 2-gram (1, 2) alone
+    # would match more recently at index 8 (-> 6).
+    context = [0, 1, 2, 4, 7, 1, 2, 5, 1, 2, 6, 7, 1, 2]
+    assert find_ngram_continuation(context, k=1, max_ngram=3) == (5,)
+    assert find_ngram_continuation(context, k=1, max_ngram=2) == (6,)
+
+
+def test_no_match_and_k_zero():
+    assert find_ngram_continuation([1, 2, 3, 4], k=3) == ()
+    assert find_ngram_continuation([1, 1, 1], k=0) == ()
+
+
+def test_continuation_is_truncated_at_the_end_of_context():
+    assert find_ngram_continuation([5, 6, 5], k=4, max_ngram=1) == (6, 5)
+
+
+def test_min_ngram_respected():
+    assert find_ngram_continuation([1, 2, 3, 9, 1, 2], k=1, max_ngram=3, min_ngram=3) == ()
