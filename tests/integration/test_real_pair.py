@@ -8,10 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from specdec.engine.sequence import CachedSequence
 from specdec.types import GenerationRequest, SpecConfig
 
-from .conftest import spec_bench_prompts
+from spec_bench_prompts import spec_bench_prompts
 
 # 20 prompts over all six Spec-Bench categories.
 PER_CATEGORY = {"mt_bench": 4, "translation": 4, "summarization": 3, "qa": 3, "math_reasoning": 3, "rag": 3}
@@ -32,13 +31,13 @@ def test_greedy_speculative_equals_plain(real_engine, category, prompt):
 
 def _batched_vs_steps(engine, prefix_ids, continuation):
     """Logits of `continuation` evaluated in one batch, and one token at a time, after prefix_ids."""
-    seq = CachedSequence(engine.target, 0)
-    engine.clear_cache()
+    seq = engine.target_sequence
+    seq.clear()
     seq.prefill(prefix_ids)
     batched = seq.extend(continuation)
     seq.truncate(len(prefix_ids))
     steps = np.concatenate([seq.extend([t]) for t in continuation])
-    engine.clear_cache()
+    seq.clear()
     return batched, steps
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from specdec.backends.base import Backend
 from specdec.types import SpecdecError
 
-EXACT_ENVIRONMENT = {"GGML_CPU_FA_REFERENCE": "1"}
+FA_REFERENCE_ENV = "GGML_CPU_FA_REFERENCE"  # read by the patched kernel at every call
 EXACT_MAX_DECODE_ROWS = 3  # the repacked Q4_K kernels switch to a 4-row gemm at 4 rows
 
 _init_lock = threading.Lock()
@@ -57,6 +57,18 @@ def _llama():
         return llama_cpp
 
 
+# The flash-attention switch is process-wide, so exact and inexact backends in one process take
+# turns: each sets it for its own llama_decode calls.
+_decode_lock = threading.Lock()
+
+
+def _set_fa_reference(on: bool) -> None:
+    if on and os.environ.get(FA_REFERENCE_ENV) != "1":
+        os.environ[FA_REFERENCE_ENV] = "1"
+    elif not on and FA_REFERENCE_ENV in os.environ:
+        del os.environ[FA_REFERENCE_ENV]
+
+
 def check_gguf_file(path: Path) -> None:
     if not path.exists():
         raise SpecdecError(f"model file {path} does not exist.")
@@ -81,11 +93,6 @@ class LlamaCppBackend(Backend):
     ):
         path = Path(model_path)
         check_gguf_file(path)
-        for key, value in EXACT_ENVIRONMENT.items():
-            if exact:
-                os.environ[key] = value
-            else:
-                os.environ.pop(key, None)
         lib = _llama()
         self._lib = lib
         self.model_path = path
@@ -192,7 +199,8 @@ class LlamaCppBackend(Backend):
         outputs: list[list[np.ndarray]] = [[] for _ in requests]
         lib = self._lib
         rows_per_decode = self._batch_capacity if prefill else self._decode_rows
-        with self._lock:
+        with self._lock, _decode_lock:
+            _set_fa_reference(self.exact)
             for chunk_start in range(0, len(flat), rows_per_decode):
                 chunk = flat[chunk_start:chunk_start + rows_per_decode]
                 batch = self._batch

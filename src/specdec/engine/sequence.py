@@ -50,4 +50,6 @@ class CachedSequence:
         return logits
 
     def clear(self) -> None:
-        self.truncate(0)
+        """Empty the cache, also of positions that another holder of this seq_id left behind."""
+        self.backend.truncate(self.seq_id, 0)
+        self.tokens.clear()
