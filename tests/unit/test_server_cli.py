@@ -13,7 +13,7 @@ import pytest
 from specdec.cli import build_parser, main
 from specdec.server.cli import build_config
 from specdec.server.testing import free_port
-from specdec.types import SpecdecError
+from specdec.types import DEFAULT_METHOD, SpecdecError
 
 pytestmark = pytest.mark.timeout(60)
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -26,7 +26,7 @@ def parse(*argv):
 def test_flags_and_defaults(monkeypatch):
     monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
     args = parse()
-    assert (args.host, args.port, args.parallel, args.max_tokens, args.method) == ("127.0.0.1", 8000, 4, 1024, "ngram")
+    assert (args.host, args.port, args.parallel, args.max_tokens, args.method) == ("127.0.0.1", 8000, 4, 1024, DEFAULT_METHOD)
     config = build_config(parse("--model", "/m/My-Model.Q4.gguf", "--method", "draft", "--num-draft-tokens", "5",
                                 "--max-queue", "3"), "My-Model.Q4")
     assert config.served_model_name == "My-Model.Q4" and config.api_key is None
