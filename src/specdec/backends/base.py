@@ -47,9 +47,9 @@ class Backend(ABC):
     def truncate(self, seq_id: int, length: int) -> None:
         """Drop seq_id's cached positions from `length` onward."""
 
-    def eval_many(self, requests: Sequence[tuple[int, int, Sequence[int]]]) -> list[np.ndarray]:
-        """Evaluate several sequences' tokens; backends that can batch them override this."""
-        return [self.eval(seq_id, start, tokens) for seq_id, start, tokens in requests]
+    def eval_many(self, requests: Sequence[tuple[int, int, Sequence[int]]], *, prefill: bool = False) -> list[np.ndarray]:
+        """Evaluate several sequences' (seq_id, start, tokens); backends that can batch them override this."""
+        return [self.eval(seq_id, start, tokens, prefill=prefill) for seq_id, start, tokens in requests]
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")

@@ -54,21 +54,23 @@ class Generation:
         return self.finish_reason is not None
 
     # -- stages ------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, started_at: Optional[float] = None, cached_prompt_tokens: Optional[int] = None) -> None:
+        """Process the prompt. A scheduler that already processed part of it in chunks passes
+        when it began (`started_at`) and how much of it was found cached."""
         prompt = self.request.prompt_token_ids
         n_ctx = self.target.backend.n_ctx
         if not prompt:
             raise SpecdecError("the prompt is empty.")
         if len(prompt) >= n_ctx:
             raise SpecdecError(f"the prompt has {len(prompt)} tokens but the context holds only {n_ctx}.")
-        self._started_at = self.clock()
+        self._started_at = self.clock() if started_at is None else started_at
         if not self.prefix_cache:
             self.target.clear()
         before = self.target.reuse_prefix(prompt[:-1])
         self.target.prefill(prompt[:-1])
         self.drafter.begin(prompt)
         self.stats.prompt_tokens = len(prompt)
-        self.stats.cached_prompt_tokens = before
+        self.stats.cached_prompt_tokens = before if cached_prompt_tokens is None else cached_prompt_tokens
         self.stats.prompt_seconds = self.clock() - self._started_at
         if self.request.max_tokens is not None and self.request.max_tokens <= 0:
             self._finish("length")

@@ -49,6 +49,10 @@ class CachedSequence:
         self.tokens.extend(tokens)
         return logits
 
+    def record(self, tokens: Sequence[int]) -> None:
+        """Note tokens that a batched call (Backend.eval_many) appended to this sequence's cache."""
+        self.tokens.extend(tokens)
+
     def clear(self) -> None:
         """Empty the cache, also of positions that another holder of this seq_id left behind."""
         self.backend.truncate(self.seq_id, 0)

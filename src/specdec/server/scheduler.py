@@ -282,12 +282,8 @@ class Scheduler:
 
     def _start(self, run: _Running) -> None:
         generation = run.generation
-        generation.start()
-        # The chunked prefill above is part of this generation's prompt processing (see report:
-        # an engine-side `Generation.prefill(budget)` would make this bookkeeping unnecessary).
-        generation._started_at = run.admitted_at
-        generation.stats.prompt_seconds = self.engine.clock() - run.admitted_at
-        generation.stats.cached_prompt_tokens = run.cached_prompt_tokens
+        # The chunked prefill above is part of this generation's prompt processing.
+        generation.start(started_at=run.admitted_at, cached_prompt_tokens=run.cached_prompt_tokens)
         run.started = True
         run.ticket.post(Started(len(run.ticket.request.prompt_token_ids), run.cached_prompt_tokens))
         if generation.finished:  # nothing to generate (max_tokens 0): cancel() returns its final event
@@ -318,7 +314,7 @@ class Scheduler:
                 seconds.append(clock() - t0)
         for run, tokens, logits, spent in zip(batch, plans, rows, seconds):
             generation = run.generation
-            generation.target.tokens.extend(tokens)  # eval_many evaluated them; the sequence records it
+            generation.target.record(tokens)
             generation.stats.verify_seconds += spent
             self._deliver(run, generation.commit(logits))
 
@@ -355,10 +351,10 @@ class Scheduler:
         for sequence in (slot.target, slot.draft):
             if sequence is not None:
                 try:
-                    sequence.backend.truncate(sequence.seq_id, 0)
+                    sequence.clear()
                 except Exception:
                     logger.exception("could not reset slot %d", index)
-                sequence.tokens.clear()
+                    sequence.tokens.clear()
 
     def _timeout_error(self) -> APIError:
         return APIError(503, f"the request waited past the server's time limit of {self.config.request_timeout:g}s "
