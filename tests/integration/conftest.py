@@ -11,9 +11,10 @@ def real_engine():
 
     for spec in (TARGET, DRAFT):
         verify_cached(default_path(spec), spec)
-    target = LlamaCppBackend(default_path(TARGET), n_ctx=4096)
-    draft = LlamaCppBackend(default_path(DRAFT), n_ctx=4096)
-    engine = Engine(target, draft)
+    # Four slots, so that the server test can run concurrent sequences on the same models.
+    target = LlamaCppBackend(default_path(TARGET), n_ctx=4096, max_sequences=4)
+    draft = LlamaCppBackend(default_path(DRAFT), n_ctx=4096, max_sequences=4)
+    engine = Engine(target, draft, n_slots=4)
     yield engine
     engine.close()
 
