@@ -45,7 +45,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     if args.max_tokens is not None and args.max_tokens < 0:
         raise SpecdecError("--max-tokens must be >= 0.")
-    args.no_draft = args.no_draft or args.method != "draft"
+    args.no_draft = args.no_draft or args.method not in ("draft", "auto")
     engine = load_engine(args)
     try:
         prompt_ids = engine.encode_prompt(args.prompt, chat=args.chat)
@@ -69,6 +69,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 stats = event.stats
         sys.stdout.write("\n")
         print(format_stats_line(stats), file=sys.stderr)
+        return 0
+    finally:
+        engine.close()
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure and print this machine's cost model: what `auto` prices its proposals with."""
+    from specdec.runtime import load_engine
+
+    engine = load_engine(args)
+    try:
+        cost = engine.calibrate().as_dict()
+        cost["backend"] = engine.target.describe()
+        print(json.dumps(cost, indent=2))
         return 0
     finally:
         engine.close()
@@ -114,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
     add_model_arguments(generate)
     generate.set_defaults(handler=_cmd_generate)
+
+    calibrate = commands.add_parser("calibrate", help="measure and print this machine's cost model")
+    add_model_arguments(calibrate)
+    calibrate.set_defaults(handler=_cmd_calibrate)
 
     for name, (module_name, help_text) in PLUGIN_COMMANDS.items():
         try:

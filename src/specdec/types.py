@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-METHODS = ("off", "ngram", "draft")
+METHODS = ("off", "ngram", "draft", "auto")
 DEFAULT_METHOD = "off"  # best measured so far on this CPU: speculation loses here (docs/benchmarks.md)
 DEFAULT_NUM_DRAFT_TOKENS = 3
 

@@ -21,12 +21,13 @@ EQUALITY_PROMPTS = spec_bench_prompts(PER_CATEGORY)
 def test_greedy_speculative_equals_plain(real_engine, category, prompt):
     prompt_ids = tuple(real_engine.encode_prompt(prompt, chat=True))
     outputs = {}
-    for method, k in [("off", 0), ("ngram", 4), ("draft", 4)]:
+    for method, k in [("off", 0), ("ngram", 4), ("draft", 4), ("auto", 4)]:
         result = real_engine.generate(GenerationRequest(prompt_ids, 64, spec=SpecConfig(method, k)))
         outputs[method] = result.token_ids
         assert result.stats["generated_tokens"] == len(result.token_ids) <= 64
     assert outputs["ngram"] == outputs["off"]
     assert outputs["draft"] == outputs["off"]
+    assert outputs["auto"] == outputs["off"]
 
 
 def _batched_vs_steps(engine, prefix_ids, continuation):

@@ -80,7 +80,7 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
     except ValueError:
         raise SpecdecError("--num-draft-tokens takes comma-separated integers, e.g. 2,4.") from None
     configs = parse_configs(_split([args.methods]), ks)
-    need_draft = any(c.method == "draft" for c in configs)
+    need_draft = any(c.method in ("draft", "auto") for c in configs)
     if need_draft and args.no_draft:
         raise SpecdecError("--no-draft contradicts the draft method in --methods.")
     args.no_draft = not need_draft  # load the draft model only when a draft configuration runs

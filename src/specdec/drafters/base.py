@@ -6,7 +6,7 @@ committed token, which the target has not evaluated yet.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -22,6 +22,9 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
         """Propose up to k tokens to follow context (fewer, or none, when unsure)."""
+
+    def observe(self, proposal: Proposal, num_accepted: int, verify_seconds: Optional[float]) -> None:
+        """Learn from a round's outcome (and its target forward's time, when it was timed alone)."""
 
 
 class NoDrafter(Drafter):

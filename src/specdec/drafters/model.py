@@ -33,8 +33,10 @@ class ModelDrafter(Drafter):
         if k <= 0:
             return Proposal(())
         context = list(context)
-        common = self.sequence.reuse_prefix(context[:-1])  # the last token always yields logits
-        logits = self.sequence.extend(context[common:])[-1]
+        # Catch up in full batches (after a rollback, or the prompt on first use); the last token
+        # is evaluated on its own because its logits start the draft.
+        self.sequence.prefill(context[:-1])
+        logits = self.sequence.extend(context[-1:])[-1]
         tokens: list[int] = []
         probs: list[np.ndarray] = []
         for i in range(k):

@@ -47,6 +47,7 @@ class Generation:
         self.stats = GenerationStats(method=request.spec.method, num_draft_tokens=k)
         self._k = k
         self._proposal: Optional[Proposal] = None
+        self._verify_seconds: Optional[float] = None  # of this round's forward, when timed alone
         self._started_at = 0.0
 
     @property
@@ -99,7 +100,9 @@ class Generation:
         else:
             target_probs = np.stack([token_distribution(row, sampling) for row in target_logits])
             verdict = verify(draft_tokens, proposal.draft_probs, target_probs, self.rng)
-        self.stats.record_round(k, verdict.num_accepted)
+        self.stats.record_round(k, verdict.num_accepted, proposal.source)
+        self.drafter.observe(proposal, verdict.num_accepted, self._verify_seconds)
+        self._verify_seconds = None
         # Keep pending + the accepted drafts; the next token becomes the new pending one.
         self.target.truncate(len(self.context) + verdict.num_accepted)
         new_tokens: list[int] = []
@@ -117,7 +120,8 @@ class Generation:
         tokens = self.plan()
         t0 = self.clock()
         logits = self.target.extend(tokens)
-        self.stats.verify_seconds += self.clock() - t0
+        self._verify_seconds = self.clock() - t0
+        self.stats.verify_seconds += self._verify_seconds
         return self.commit(logits)
 
     def cancel(self) -> StreamEvent:

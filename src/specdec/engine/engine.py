@@ -6,9 +6,11 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 from specdec.backends.base import Backend, check_draft_compatible
+from specdec.drafters.auto import AutoDrafter
 from specdec.drafters.base import Drafter, NoDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
+from specdec.engine.cost_model import CostModel, calibrate
 from specdec.engine.decoder import Generation, run_to_completion
 from specdec.engine.sequence import CachedSequence
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent
@@ -53,6 +55,7 @@ class Engine:
         if n_slots > target.max_sequences or (draft is not None and n_slots > draft.max_sequences):
             raise SpecdecError(f"{n_slots} slots need backends that hold {n_slots} sequences.")
         self.slots = [self._make_slot(seq_id) for seq_id in range(n_slots)]
+        self.cost_model: Optional[CostModel] = None  # measured on first use of `auto`
 
     def _make_slot(self, seq_id: int) -> Slot:
         drafters: dict[str, Drafter] = {
@@ -67,11 +70,23 @@ class Engine:
 
     @property
     def methods(self) -> list[str]:
-        return list(self.slots[0].drafters)
+        return [*self.slots[0].drafters, *(() if "auto" in self.slots[0].drafters else ("auto",))]
 
     @property
     def target_sequence(self) -> CachedSequence:
         return self.slots[0].target
+
+    def calibrate(self, slot: int = 0) -> CostModel:
+        """Measure this machine's forward costs (a few seconds) for the adaptive method `auto`.
+
+        Uses the slot's caches as scratch space: call it for a slot that is not generating.
+        """
+        scratch = self.slots[slot]
+        self.cost_model = calibrate(scratch.target, scratch.draft, clock=self.clock)
+        for each in self.slots:
+            each.drafters["auto"] = AutoDrafter(self.cost_model, each.drafters.get("draft"),
+                                                max_ngram=self.config.ngram_max)
+        return self.cost_model
 
     # -- prompts -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: Union[str, Sequence[dict]], chat: bool) -> list[int]:
@@ -85,6 +100,8 @@ class Engine:
     def new_generation(self, request: GenerationRequest, slot: int = 0) -> Generation:
         request.sampling.validate()
         request.spec.validate()
+        if request.spec.method == "auto" and self.cost_model is None:
+            self.calibrate(slot)  # the slot about to serve this request is free
         chosen = self.slots[slot]
         drafter = chosen.drafters.get(request.spec.method)
         if drafter is None:

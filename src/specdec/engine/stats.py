@@ -1,6 +1,9 @@
 """Per-generation statistics, defined once. Every interface (CLI JSON, server usage, benchmark
 records) reports these keys.
 
+`choices` counts what was proposed in each round ("ngram:k2", "draft:k4", or "none" for a plain
+step), so the adaptive method's decisions are visible.
+
 Conventions: acceptance_rate = accepted / drafted; mean_acceptance_length = 1 + accepted /
 draft_rounds (it counts the target's own token of each round); tokens_per_second = generated
 tokens / decode time, where decode time = total - prompt processing. A ratio whose denominator is
@@ -27,13 +30,16 @@ class GenerationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    choices: dict[str, int] = field(default_factory=dict)  # per round: "source:kN", or "none"
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0  # every target forward after the prompt (plain steps included)
     prompt_seconds: float = 0.0
     ttft_seconds: Optional[float] = None
     total_seconds: float = 0.0
 
-    def record_round(self, drafted: int, accepted: int) -> None:
+    def record_round(self, drafted: int, accepted: int, source: str = "") -> None:
+        choice = f"{source or self.method}:k{drafted}" if drafted else "none"
+        self.choices[choice] = self.choices.get(choice, 0) + 1
         if drafted == 0:
             return
         self.draft_rounds += 1
@@ -58,6 +64,7 @@ class GenerationStats:
             "acceptance_rate": _ratio(self.accepted_tokens, self.drafted_tokens),
             "mean_acceptance_length": (1 + self.accepted_tokens / self.draft_rounds) if self.draft_rounds else None,
             "accepted_per_position": list(self.accepted_per_position),
+            "choices": dict(self.choices),
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "prompt_seconds": self.prompt_seconds,

@@ -55,7 +55,7 @@ def speculation(value: Union[bool, SpeculativeDecoding, None], config: ServerCon
     elif value is False:
         spec = SpecConfig("off", config.spec.num_draft_tokens)
     else:
-        method = config.spec.method if value.method == "auto" else value.method
+        method = config.spec.method if value.method is None else value.method
         k = config.spec.num_draft_tokens if value.num_speculative_tokens is None else value.num_speculative_tokens
         spec = SpecConfig(method, k)
     if spec.method not in engine.methods:

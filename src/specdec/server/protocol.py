@@ -82,9 +82,9 @@ class StreamOptions(_Strict):
 
 
 class SpeculativeDecoding(_Strict):
-    """Per-request speculation: `auto` means the server's configured method."""
+    """Per-request speculation: `auto` is the engine's adaptive choice; no method means the server's."""
 
-    method: Literal["draft", "ngram", "off", "auto"] = "auto"
+    method: Optional[Literal["draft", "ngram", "off", "auto"]] = None
     num_speculative_tokens: Optional[int] = Field(None, ge=0, le=32)
 
 

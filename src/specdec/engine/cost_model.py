@@ -1,0 +1,93 @@
+"""What a forward costs on this machine, measured: the target over n tokens, the draft per token.
+
+Calibrated in a few seconds on a scratch prompt, then kept up to date online from the timings of
+real rounds (an exponential moving average per n), so the adaptive policy prices what it proposes
+with this machine's numbers rather than assumed ones.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from specdec.engine.sequence import CachedSequence
+
+CALIBRATION_TEXT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n" * 2
+
+
+@dataclass
+class CostModel:
+    target_seconds: dict[int, float]  # n -> seconds of one target forward over n tokens
+    draft_step_seconds: Optional[float] = None  # one draft-model token, None without a draft model
+    smoothing: float = 0.1  # weight of a new observation in the moving average
+    observations: dict[int, int] = field(default_factory=dict)
+
+    def target(self, n: int) -> float:
+        """Seconds for n tokens; beyond the measured range, extrapolate the last step linearly."""
+        if n in self.target_seconds:
+            return self.target_seconds[n]
+        known = sorted(self.target_seconds)
+        if n < known[0]:
+            return self.target_seconds[known[0]]
+        last, before = known[-1], known[-2] if len(known) > 1 else known[-1]
+        slope = (self.target_seconds[last] - self.target_seconds[before]) / max(1, last - before)
+        return self.target_seconds[last] + slope * (n - last)
+
+    def relative(self, n: int) -> float:
+        """v(n) = t(n) / t(1)."""
+        return self.target(n) / self.target(1)
+
+    def observe_target(self, n: int, seconds: float) -> None:
+        old = self.target_seconds.get(n)
+        self.target_seconds[n] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        self.observations[n] = self.observations.get(n, 0) + 1
+
+    def as_dict(self) -> dict:
+        t1 = self.target(1)
+        return {
+            "target_step_seconds": t1,
+            "v": {n: self.target_seconds[n] / t1 for n in sorted(self.target_seconds)},
+            "draft_step_seconds": self.draft_step_seconds,
+            "draft_cost_ratio": (self.draft_step_seconds / t1) if self.draft_step_seconds else None,
+        }
+
+
+def calibrate(
+    target: CachedSequence,
+    draft: Optional[CachedSequence],
+    max_tokens: int = 8,
+    repeats: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
+) -> CostModel:
+    """Time target forwards over 1..max_tokens tokens (and draft steps) after a scratch prompt.
+
+    Leaves both caches empty. The minimum over repeats is kept: noise only ever adds time.
+    """
+    n_ctx = target.backend.n_ctx
+    max_tokens = max(1, min(max_tokens, n_ctx // 2 - 1))
+    prompt = target.backend.tokenize(CALIBRATION_TEXT, add_special=False)
+    prompt = prompt[: min(64, n_ctx - max_tokens - 1)]  # a short scratch prompt that fits any context
+    probe = (prompt * max_tokens)[:max_tokens]
+    target_seconds: dict[int, float] = {}
+    target.clear()
+    target.prefill(prompt)
+    for _ in range(repeats):
+        for n in range(1, max_tokens + 1):
+            target.truncate(len(prompt))
+            t0 = clock()
+            target.extend(probe[:n])
+            spent = clock() - t0
+            target_seconds[n] = min(spent, target_seconds.get(n, spent))
+    target.clear()
+    draft_step = None
+    if draft is not None:
+        draft.clear()
+        draft.prefill(prompt)
+        samples = []
+        for token in probe:
+            t0 = clock()
+            draft.extend([token])
+            samples.append(clock() - t0)
+        draft_step = min(samples)
+        draft.clear()
+    return CostModel(target_seconds, draft_step)
