@@ -1,5 +1,5 @@
 # The two set-up commands of the README. Each installs (idempotently) what it needs first.
-.PHONY: install models demo test test-unit test-real
+.PHONY: install models serve demo test
 
 install:
 	bash scripts/install.sh
@@ -7,7 +7,11 @@ install:
 models: install
 	.venv/bin/specdec models pull
 
-# The main job: a generation on the default pair, streamed, with its stats.
+# The main job: the OpenAI-compatible server on the default pair, http://127.0.0.1:8000/v1.
+serve: models
+	.venv/bin/specdec serve
+
+# A single generation on the default pair, streamed, with its stats.
 demo: models
 	.venv/bin/specdec generate --chat --max-tokens 96 \
 	  "Write a Python function that returns the n-th Fibonacci number, with a docstring."
