@@ -67,11 +67,10 @@ class Generation:
         self._started_at = self.clock() if started_at is None else started_at
         if not self.prefix_cache:
             self.target.clear()
-        before = self.target.reuse_prefix(prompt[:-1])
-        self.target.prefill(prompt[:-1])
+        reused = self.target.prefill(prompt[:-1])
         self.drafter.begin(prompt)
         self.stats.prompt_tokens = len(prompt)
-        self.stats.cached_prompt_tokens = before if cached_prompt_tokens is None else cached_prompt_tokens
+        self.stats.cached_prompt_tokens = reused if cached_prompt_tokens is None else cached_prompt_tokens
         self.stats.prompt_seconds = self.clock() - self._started_at
         if self.request.max_tokens is not None and self.request.max_tokens <= 0:
             self._finish("length")

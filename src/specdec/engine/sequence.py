@@ -35,13 +35,15 @@ class CachedSequence:
         self.truncate(common)
         return common
 
-    def prefill(self, tokens: Sequence[int]) -> None:
-        """Bring the cache to exactly `tokens`, reusing what is already cached; no logits."""
+    def prefill(self, tokens: Sequence[int]) -> int:
+        """Bring the cache to exactly `tokens`, reusing what is already cached; no logits.
+        Returns how many tokens were reused."""
         common = self.reuse_prefix(tokens)
         rest = list(tokens[common:])
         if rest:
             self.backend.eval(self.seq_id, common, rest, prefill=True)
             self.tokens.extend(rest)
+        return common
 
     def extend(self, tokens: Sequence[int]) -> np.ndarray:
         """Append tokens and return their logits [len(tokens), vocab]."""
