@@ -62,7 +62,14 @@ def test_sync_chat_greedy_equals_engine_alone(client, method):
     assert response.choices[0].message.role == "assistant"
     assert response.model == MODEL and response.object == "chat.completion"
     speculative = response.usage.model_extra["speculative"]
-    assert speculative["method"] == ("draft" if method == "auto" else method)
+    assert speculative["method"] == method  # `auto` is the engine's adaptive method, not an alias
+
+
+def test_speculative_object_without_method_uses_the_servers_method(client):
+    response = chat(client, "the cat sat on the mat", max_tokens=20,
+                    extra_body={"speculative_decoding": {"num_speculative_tokens": 2}})
+    speculative = response.usage.model_extra["speculative"]
+    assert speculative["method"] == "draft" and speculative["num_draft_tokens"] == 2
 
 
 def test_speculation_on_and_off_same_text_and_usage_block(client):
