@@ -339,13 +339,7 @@ def write_charts(report: dict, out_dir: Path) -> None:
     ax.set_xticks(x, groups, rotation=20)
     ax.set_ylabel("speedup vs off (ratio of mean decode tok/s)")
     ax.set_title("Speedup per category")
-    if configs:
-        ax.legend(fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "no speculative configuration measured", ha="center", transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(out_dir / SPEEDUP_CHART, dpi=120)
-    plt.close(fig)
+    _save_chart(fig, ax, bool(configs), "no speculative configuration measured", out_dir / SPEEDUP_CHART)
 
     histograms = report["acceptance_length_histogram"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -362,9 +356,17 @@ def write_charts(report: dict, out_dir: Path) -> None:
     ax.set_title("Acceptance length per draft round")
     if hist_configs:
         ax.set_xticks(lengths)
+    _save_chart(fig, ax, bool(hist_configs), "no draft rounds recorded", out_dir / ACCEPTANCE_CHART)
+
+
+def _save_chart(fig, ax, has_data: bool, empty_message: str, path: Path) -> None:
+    """Legend when there is data, a centred note when there is none; then write the PNG."""
+    import matplotlib.pyplot as plt
+
+    if has_data:
         ax.legend(fontsize="small")
     else:
-        ax.text(0.5, 0.5, "no draft rounds recorded", ha="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, empty_message, ha="center", transform=ax.transAxes)
     fig.tight_layout()
-    fig.savefig(out_dir / ACCEPTANCE_CHART, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
