@@ -1,12 +1,20 @@
-"""The adaptive method: decisions on a synthetic cost model, calibration with an injected clock,
-and losslessness (greedy `auto` equals plain)."""
+"""The adaptive method: decisions on a synthetic cost model and synthetic acceptance, acceptance
+learned from shadow proposals, early stopping of model drafts, calibration with an injected clock,
+and losslessness (greedy `auto` equals plain; sampled hybrid proposals keep the target's law)."""
+import numpy as np
 import pytest
 
 from specdec.backends.fake import FakeBackend
-from specdec.drafters.auto import AcceptanceEstimate, AutoDrafter, expected_tokens
+from specdec.drafters.auto import AcceptanceEstimate, AutoDrafter, Option, expected_tokens
+from specdec.drafters.model import ModelDrafter
 from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
-from specdec.types import GenerationRequest, SpecConfig
+from specdec.engine.sequence import CachedSequence
+from specdec.sampling.probs import token_distribution
+from specdec.sampling.verify import verify
+from specdec.types import GenerationRequest, Proposal, SamplingParams, SpecConfig
+
+GREEDY = SamplingParams()
 
 
 class FakeClock:
@@ -21,7 +29,15 @@ class FakeClock:
 
 
 class StubModelDrafter:
-    """Stands in for a draft model in policy tests (the policy only needs to know one exists)."""
+    """Stands in for a draft model: proposes `token` up to k times and records what it was asked."""
+
+    def __init__(self, token=7):
+        self.token = token
+        self.calls = []
+
+    def propose(self, context, k, sampling, rng, prefix=(), keep_drafting=None):
+        self.calls.append((k, tuple(prefix)))
+        return Proposal(tuple(prefix) + (self.token,) * (k - len(prefix)), None, "hybrid" if prefix else "draft")
 
 
 def linear_costs(step=0.050, per_token=0.045, draft_step=0.02):
@@ -32,61 +48,117 @@ def flat_costs(step=0.050, draft_step=0.005):
     return CostModel({n: step * (1 + 0.02 * (n - 1)) for n in range(1, 9)}, draft_step)
 
 
-def drafter_with(cost, ngram_rate, draft_rate, evidence=1000):
-    drafter = AutoDrafter(cost, StubModelDrafter())
-    for source, rate in (("ngram", ngram_rate), ("draft", draft_rate)):
+def drafter_with(cost, ngram_rate, draft_rate, evidence=1000, model=None):
+    drafter = AutoDrafter(cost, model or StubModelDrafter())
+    for source, rate in (("ngram", ngram_rate), ("cache", ngram_rate), ("draft", draft_rate), ("hybrid", draft_rate)):
         drafter.estimates[source] = AcceptanceEstimate(prior=rate, prior_weight=evidence)
     return drafter
 
 
 def test_expected_tokens():
-    assert expected_tokens(0.0, 4) == 1.0
-    assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens([0.0] * 4) == 1.0
+    assert expected_tokens([1.0] * 4) == 5.0
+    assert expected_tokens([0.5, 0.5]) == pytest.approx(1.75)
+    assert expected_tokens([0.5, 1.0]) == pytest.approx(2.0)  # positions multiply
+
+
+def test_acceptance_is_estimated_per_position():
+    estimate = AcceptanceEstimate(prior=0.5, prior_weight=2)
+    for _ in range(20):
+        estimate.observe(proposed=3, accepted=1)  # the first always accepted, the second never
+    assert estimate.rate(1) > 0.9
+    assert estimate.rate(2) < 0.1
+    estimate.observe(proposed=3, accepted=3)
+    assert len(estimate.attempts) == 3
+    estimate.observe(proposed=4, accepted=2, rejected=False)  # unknown beyond two: no third attempt
+    assert estimate.attempts[:3] == [22, 22, 1]
 
 
 def test_picks_off_when_drafts_are_useless():
     drafter = drafter_with(linear_costs(), ngram_rate=0.2, draft_rate=0.3)
-    assert drafter.plan(ngram_available=4, k=4) == ("off", 0)
+    assert drafter.plan({"ngram": 4}, k=4).source == "off"
 
 
 def test_picks_off_when_verification_costs_as_much_as_the_tokens_it_could_save():
     # Near-linear verification (this CPU): even 90% acceptance does not pay for itself.
     drafter = drafter_with(linear_costs(per_token=0.048), ngram_rate=0.9, draft_rate=0.9)
-    assert drafter.plan(ngram_available=4, k=4) == ("off", 0)
+    assert drafter.plan({"ngram": 4}, k=4).source == "off"
 
 
 def test_picks_long_drafts_when_acceptance_is_near_one_and_verification_is_flat():
     drafter = drafter_with(flat_costs(), ngram_rate=0.98, draft_rate=0.3)
-    assert drafter.plan(ngram_available=8, k=8) == ("ngram", 8)  # the longest proposal on offer
+    option = drafter.plan({"ngram": 8}, k=8)
+    assert (option.source, option.length) == ("ngram", 8)  # the longest proposal on offer
     drafter = drafter_with(flat_costs(), ngram_rate=0.1, draft_rate=0.97)
-    source, length = drafter.plan(ngram_available=0, k=6)
-    assert source == "draft" and length >= 5
+    option = drafter.plan({}, k=6)
+    assert option.source == "draft" and option.length >= 5
 
 
-def test_uses_only_what_the_ngram_match_offers():
+def test_uses_only_what_the_ngram_match_offers_or_lets_the_draft_model_continue_it():
     drafter = drafter_with(flat_costs(), ngram_rate=0.95, draft_rate=0.0)
-    assert drafter.plan(ngram_available=2, k=8) == ("ngram", 2)
+    option = drafter.plan({"ngram": 2}, k=8)
+    assert (option.source, option.length) == ("ngram", 2)
+    drafter = drafter_with(flat_costs(), ngram_rate=0.99, draft_rate=0.9)
+    option = drafter.plan({"ngram": 2}, k=8)
+    assert (option.source, option.prefix_source, option.prefix_length) == ("hybrid", "ngram", 2)
+    assert option.length > 2
 
 
-def test_probes_at_growing_intervals_while_plain_wins():
-    drafter = AutoDrafter(linear_costs(per_token=0.05), None, first_probe_after=4)
-    context = [1, 2, 3, 1, 2]  # an n-gram match exists
+def test_exploits_an_uneven_cost_curve():
+    # Two tokens cost as much as four (the shape measured on the issue's machine): propose three.
+    cost = CostModel({1: 0.117, 2: 0.157, 3: 0.155, 4: 0.152, 5: 0.2, 6: 0.246, 7: 0.27, 8: 0.289}, None)
+    drafter = drafter_with(cost, ngram_rate=0.7, draft_rate=0.0)
+    option = drafter.plan({"ngram": 8}, k=8)
+    assert (option.source, option.length) == ("ngram", 3)
+
+
+def test_learns_ngram_acceptance_from_shadow_proposals_without_proposing():
+    drafter = AutoDrafter(linear_costs(per_token=0.05), None)
+    text = [1, 2, 3, 4] * 12  # perfectly repetitive: every n-gram continuation is right
+    for end in range(8, len(text)):
+        proposal = drafter.propose(text[:end], 4, GREEDY, None)
+        assert proposal.draft_tokens == ()  # linear verification: plain decoding always wins
+        drafter.observe(proposal, 0, None)
+    assert drafter.estimates["ngram"].rate(1) > 0.9
+    assert drafter.estimates["ngram"].rate(3) > 0.9
+
+
+def test_never_probes_a_draft_model_that_cannot_pay_and_probes_one_that_might():
+    hopeless = AutoDrafter(linear_costs(per_token=0.05, draft_step=0.02), StubModelDrafter())
+    sources = []
+    for _ in range(40):
+        proposal = hopeless.propose([1, 2, 3], 4, GREEDY, None)
+        sources.append(proposal.source)
+        hopeless.observe(proposal, 0, None)
+    assert set(sources) == {"off"}
+
+    promising = drafter_with(flat_costs(), ngram_rate=0.0, draft_rate=0.01)
+    promising.first_probe_after = promising.probe_interval = 4
     sources = []
     for _ in range(30):
-        proposal = drafter.propose(context, 4, None, None)
+        proposal = promising.propose([1, 2, 3], 4, GREEDY, None)
         sources.append(proposal.source)
-        drafter.observe(proposal, 0, None)  # every probe fails
-    probes = [i for i, s in enumerate(sources) if s == "ngram-probe"]
+        promising.observe(proposal, 0, None)  # every probe fails
+    probes = [i for i, s in enumerate(sources) if s == "draft-probe"]
     assert probes[:3] == [3, 11, 27]  # after 4, then 8, then 16 plain rounds
 
 
-def test_online_cost_updates_move_toward_observations():
-    cost = linear_costs()
-    before = cost.target(3)
-    for _ in range(50):
-        cost.observe_target(3, 0.060)
-    assert before > cost.target(3) > 0.060 - 1e-3
+def test_model_draft_stops_early_when_its_confidence_no_longer_pays():
+    target = FakeBackend(seed=7)
+    draft = FakeBackend(seed=7, noise=0.3)
+    drafter = ModelDrafter(CachedSequence(draft, 0))
+    context = target.tokenize("the cat sat on the mat", add_special=False)
+    full = drafter.propose(context, 6, GREEDY, None)
+    asked = []
+    stopped = drafter.propose(context, 6, GREEDY, None, keep_drafting=lambda i, c: asked.append(c) or i < 2)
+    assert stopped.draft_tokens == full.draft_tokens[:2]
+    assert len(asked) == 3 and all(0.0 < c <= 1.0 for c in asked)
+
+    # The policy's threshold: near-free verification keeps drafting, costly verification stops.
+    for cost, expect_long in ((flat_costs(draft_step=0.001), True), (linear_costs(per_token=0.05), False)):
+        auto = AutoDrafter(cost, drafter)
+        keep = auto._early_stop(Option("draft", 6, 1.0 / cost.target(1)))
+        assert keep(1, 0.9) is expect_long
 
 
 def test_calibration_measures_the_fake_backends_costs_with_an_injected_clock():
@@ -110,10 +182,11 @@ def test_auto_is_lossless_and_its_decisions_are_visible():
     for prompt in ["the cat sat on the mat", "abc abc abc", "x"]:
         ids = tuple(engine.encode_prompt(prompt, chat=True))
         plain = engine.generate(GenerationRequest(ids, 60, spec=SpecConfig("off", 0)))
+        engine.reset_cross_request_state()
         auto = engine.generate(GenerationRequest(ids, 60, spec=SpecConfig("auto", 6)))
         assert auto.token_ids == plain.token_ids
         assert sum(auto.stats["choices"].values()) == auto.stats["draft_rounds"] + auto.stats["choices"].get("none", 0)
-        assert any(choice.startswith(("draft", "ngram")) for choice in auto.stats["choices"])
+        assert any(choice.startswith(("draft", "ngram", "hybrid")) for choice in auto.stats["choices"])
     assert engine.cost_model.target(1) == pytest.approx(0.0505)
 
 
@@ -124,4 +197,35 @@ def test_auto_falls_back_to_plain_decoding_when_verification_is_linear():
     engine = Engine(target, draft, clock=clock)
     ids = tuple(engine.encode_prompt("the cat sat on the mat", chat=True))
     result = engine.generate(GenerationRequest(ids, 60, spec=SpecConfig("auto", 4)))
-    assert result.stats["choices"].get("none", 0) >= 0.8 * sum(result.stats["choices"].values())
+    assert result.stats["choices"] == {"none": result.stats["generated_tokens"]}  # not even a probe
+
+
+def test_hybrid_proposals_keep_the_target_distribution_when_sampling():
+    """An n-gram prefix (one-hot q) continued by sampled draft tokens (their own q): the first
+    output token must follow the target's distribution (Monte Carlo over many seeds)."""
+    target = FakeBackend(seed=7)
+    draft = FakeBackend(seed=7, noise=1.0)
+    sampling = SamplingParams(temperature=1.0)
+    context = target.tokenize("the cat sat on the mat", add_special=False)
+    target_seq = CachedSequence(target, 0)
+    drafter = ModelDrafter(CachedSequence(draft, 0))
+    prefix = (context[-2],)  # any fixed token works as a deterministic prefix
+    logits = target_seq.extend(context)[-1]
+    p_first = token_distribution(logits, sampling)
+    counts = np.zeros(target.vocab_size)
+    rng = np.random.default_rng(0)
+    trials = 3000
+    for _ in range(trials):
+        proposal = drafter.propose(context, 3, sampling, rng, prefix)
+        assert proposal.source == "hybrid" and proposal.draft_probs.shape[0] == 3
+        target_seq.truncate(len(context))
+        rows = target_seq.extend(list(proposal.draft_tokens))
+        target_probs = np.stack([p_first] + [token_distribution(r, sampling) for r in rows])
+        verdict = verify(proposal.draft_tokens, proposal.draft_probs, target_probs, rng)
+        first = verdict.accepted_tokens[0] if verdict.accepted_tokens else verdict.next_token
+        counts[first] += 1
+        target_seq.truncate(len(context))
+    empirical = counts / trials
+    # The L1 distance a sample of this size from p_first itself would show, on average.
+    noise = np.sqrt(2 * p_first * (1 - p_first) / (np.pi * trials)).sum()
+    assert np.abs(empirical - p_first).sum() < 1.5 * noise

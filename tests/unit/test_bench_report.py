@@ -96,3 +96,15 @@ def test_build_report_writes_every_file(tmp_path):
     assert "not run: x" in markdown
     assert "## Failures" in markdown and "boom" in markdown
     assert report["summary"]["overall"]["ngram:k2"]["failed"] == 1
+
+
+def test_adaptive_decisions_are_summed_and_shown_as_shares(tmp_path):
+    records = [rec(1, "off", 10.0), rec(2, "off", 10.0),
+               rec(1, "auto", 10.0, choices={"none": 6, "ngram:k3": 2}),
+               rec(2, "auto", 10.0, choices={"none": 2})]
+    for record in records[2:]:
+        record["stats"]["choices"] = record.pop("choices")
+    report = build_report(records, {"temperature": 0}, {}, tmp_path)
+    assert report["summary"]["overall"]["auto"]["choices"] == {"none": 8, "ngram:k3": 2}
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| auto | overall | 10 | none 80.0%, ngram:k3 20.0% |" in markdown

@@ -190,3 +190,31 @@ def test_stop_string_is_honoured(client, method):
                     extra_body={"speculative_decoding": {"method": method, "num_speculative_tokens": 4}})
     assert response.choices[0].message.content == cut
     assert response.choices[0].finish_reason == "stop"
+
+
+class FakeClock:
+    """Each forward of the fake backend advances it by a known cost: `auto` decides the same way every run."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_cross_request_ngrams_are_kept_per_api_key():
+    """A tenant's repeated request drafts from its own earlier answer; another key's never does."""
+    clock = FakeClock()
+    engine = Engine(FakeBackend(seed=7, clock=clock, step_cost=0.05, token_cost=0.0005), clock=clock)
+    app = create_app(engine, ServerConfig(served_model_name=MODEL, spec=SpecConfig("auto", 4)))
+    with serve_in_thread(app) as (url, _):
+        def choices(api_key):
+            tenant = openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=30)
+            return chat(tenant, "mat cat", max_tokens=40).usage.model_extra["speculative"]["choices"]
+
+        assert not any(choice.startswith("cache") for choice in choices("tenant-a"))
+        assert any(choice.startswith("cache") for choice in choices("tenant-a"))
+        assert not any(choice.startswith("cache") for choice in choices("tenant-b"))

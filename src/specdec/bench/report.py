@@ -125,6 +125,10 @@ def summarize_config(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
     draft_s = sum(_stat(r, "draft_seconds") or 0.0 for r in ok)
     verify_s = sum(_stat(r, "verify_seconds") or 0.0 for r in ok)
     compared = [r for r in ok if r.get("matches_off") is not None]
+    choices: dict[str, int] = defaultdict(int)
+    for record in ok:
+        for choice, count in (_stat(record, "choices") or {}).items():
+            choices[choice] += count
     ttft = [v for v in (_stat(r, "ttft_seconds") for r in ok) if v is not None]
     return {
         "records": len(records),
@@ -146,6 +150,7 @@ def summarize_config(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
         "draft_time_share": draft_s / (draft_s + verify_s) if draft_s + verify_s > 0 else None,
         "compared_with_off": len(compared),
         "identical_to_off": sum(1 for r in compared if r["matches_off"]),
+        "choices": dict(sorted(choices.items(), key=lambda item: -item[1])),
     }
 
 
@@ -265,6 +270,21 @@ def _table(summary: dict) -> list[str]:
     return lines
 
 
+def _decisions(report: dict) -> list[str]:
+    """Per category, what the adaptive configurations proposed, as shares of their rounds."""
+    adaptive = [c for c in report["configs"] if c.split(":")[0] == "auto"]
+    if not adaptive:
+        return ["No adaptive configuration in this run."]
+    lines = ["| config | category | rounds | choices (share of rounds) |", "|---|---|---|---|"]
+    for config in adaptive:
+        for category in [*report["categories"], OVERALL]:
+            choices = report["summary"][category].get(config, {}).get("choices") or {}
+            total = sum(choices.values())
+            shares = ", ".join(f"{choice} {count / total:.1%}" for choice, count in choices.items()) if total else "—"
+            lines.append(f"| {config} | {category} | {total} | {shares} |")
+    return lines
+
+
 def render_markdown(report: dict) -> str:
     meta = report["meta"]
     lines = ["# specdec benchmark report", ""]
@@ -280,6 +300,8 @@ def render_markdown(report: dict) -> str:
     for category in report["categories"]:
         lines += ["", f"## {category}", ""]
         lines += _table(report["summary"][category])
+    lines += ["", "## Decisions (rounds per proposal: source and length, or none)", ""]
+    lines += _decisions(report)
     lines += ["", "## Peers (same prompts, same run)", "",
               "| peer | config | n | decode tok/s median | IQR | speedup vs its no-draft run | speedup vs specdec off "
               "| acc. rate | text identical to its no-draft run |",

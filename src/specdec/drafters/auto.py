@@ -1,53 +1,107 @@
 """Method `auto`: before each round, propose whatever is expected to give the most tokens per
-second under this machine's measured costs — an n-gram match, the draft model, or nothing.
+second under this machine's measured costs — an n-gram match in the request, a match in the
+tenant's cross-request cache, the draft model, a hybrid (an n-gram match the draft model
+continues), or nothing.
 
-Per request, each source's per-token acceptance is estimated online (a geometric model: after an
-accepted token, the next is accepted with probability a). For a proposal of j tokens the expected
-yield is E(j) = 1 + a + a^2 + ... + a^j tokens for a cost of t(1 + j) (plus j draft steps for the
-draft model); doing nothing yields 1 token for t(1). The policy takes the best, and only
-speculates when that beats plain decoding by a margin. When plain decoding wins it still probes
-now and then (one cheap n-gram token, at growing intervals after each failed probe), so a stretch
-of repetitive text is noticed. It only changes what is proposed, never what is accepted.
+Acceptance is estimated online per request, per source and per position: a_i is the chance that
+position i is accepted once positions 1..i-1 were. A proposal of j tokens is then expected to yield
+E(j) = 1 + a_1 + a_1 a_2 + ... + a_1...a_j tokens (the target's own token included) for a cost of
+t(1 + j) target seconds (plus j draft-model steps for the draft model). Plain decoding yields one
+token for t(1). The policy takes the best option, and only speculates when it beats plain decoding
+by a margin.
 
-Example: t(1) = 50 ms, t(2) = 96 ms, t(4) = 180 ms, n-gram acceptance a = 0.9: one token
-E = 1.9 / 96 ms = 19.8 tok/s, three tokens E = 3.44 / 180 ms = 19.1 tok/s, plain 20 tok/s ->
-plain decoding (and a probe later).
+The n-gram sources are learned for free: every round, what they would have proposed is compared
+with the tokens the target then commits (a "shadow" proposal), so the policy knows how good they
+are without paying to verify them. The draft model is only tried when even perfect acceptance
+could beat plain decoding on this machine, and then re-probed at doubling intervals. A model draft
+stops early when the draft's own confidence says the next token is no longer worth its cost: the
+threshold is the planned rate times that token's marginal cost, with the draft's confidence
+calibrated against what the target accepted.
+
+It only changes what is proposed, never what is accepted: every decision depends on the context
+and earlier outcomes, never on the token being drawn, so the acceptance rule stays exact.
+
+Example: t(1) = 50 ms, t(2) = 96 ms, t(4) = 180 ms, n-gram acceptance 0.9 at every position:
+one token E = 1.9 / 96 ms = 19.8 tok/s, three tokens E = 3.44 / 180 ms = 19.1 tok/s, plain
+20 tok/s -> plain decoding.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import numpy as np
 
 from specdec.drafters.base import Drafter
+from specdec.drafters.history import NgramHistory
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import find_ngram_continuation
 from specdec.engine.cost_model import CostModel
 from specdec.types import Proposal, SamplingParams
 
+NGRAM_SOURCES = ("ngram", "cache")  # deterministic sources, learned from shadow proposals
+
 
 @dataclass
 class AcceptanceEstimate:
-    """Per-token acceptance of one source, with a prior worth `prior_weight` observations."""
+    """Per-position acceptance of one source. Position i's estimate starts from position i-1's
+    (the first from `prior`), worth `prior_weight` observations."""
 
     prior: float
     prior_weight: float = 2.0
-    accepted: float = 0.0
-    rejected: float = 0.0
+    attempts: list[float] = field(default_factory=list)
+    accepts: list[float] = field(default_factory=list)
 
-    @property
-    def rate(self) -> float:
-        return (self.accepted + self.prior * self.prior_weight) / (self.accepted + self.rejected + self.prior_weight)
+    def rate(self, position: int) -> float:
+        """a_position (1-based)."""
+        return self.rates(position)[-1] if position > 0 else self.prior
 
-    def observe(self, proposed: int, accepted: int) -> None:
-        self.accepted += accepted
-        self.rejected += 1 if accepted < proposed else 0
+    def rates(self, length: int) -> list[float]:
+        """[a_1, ..., a_length], in one pass: each position's estimate is the prior of the next."""
+        rates, rate = [], self.prior
+        for i in range(length):
+            if i < len(self.attempts):
+                rate = (self.accepts[i] + rate * self.prior_weight) / (self.attempts[i] + self.prior_weight)
+            rates.append(rate)
+        return rates
+
+    def observe(self, proposed: int, accepted: int, rejected: bool = True) -> None:
+        """`accepted` leading positions were accepted; if `rejected`, position accepted + 1 was not
+        (False when the outcome past the accepted ones is unknown)."""
+        reached = min(proposed, accepted + (1 if rejected else 0))
+        while len(self.attempts) < reached:
+            self.attempts.append(0.0)
+            self.accepts.append(0.0)
+        for i in range(reached):
+            self.attempts[i] += 1
+            self.accepts[i] += 1 if i < accepted else 0
 
 
-def expected_tokens(rate: float, j: int) -> float:
-    """1 + a + a^2 + ... + a^j: the target's own token plus the expected accepted prefix."""
-    return 1.0 + sum(rate ** i for i in range(1, j + 1))
+def expected_tokens(rates: Sequence[float]) -> float:
+    """1 + a1 + a1 a2 + ...: the target's own token plus the expected accepted prefix."""
+    total, reach = 1.0, 1.0
+    for rate in rates:
+        reach *= rate
+        total += reach
+    return total
+
+
+@dataclass(frozen=True)
+class Option:
+    source: str  # "off", "ngram", "cache", "draft" or "hybrid"
+    length: int  # tokens proposed
+    tokens_per_second: float
+    prefix_source: str = ""  # hybrid: the n-gram source whose match the draft model continues
+    prefix_length: int = 0
+
+
+@dataclass
+class _Shadow:
+    """What an n-gram source would have proposed at a context length, checked once committed."""
+
+    source: str
+    context_length: int
+    tokens: tuple[int, ...]
 
 
 class AutoDrafter(Drafter):
@@ -61,6 +115,7 @@ class AutoDrafter(Drafter):
         margin: float = 0.02,
         first_probe_after: int = 8,
         ngram_prior: float = 0.5,
+        cache_prior: float = 0.5,
         draft_prior: float = 0.6,
     ):
         self.cost = cost_model
@@ -68,57 +123,170 @@ class AutoDrafter(Drafter):
         self.max_ngram = max_ngram
         self.margin = margin
         self.first_probe_after = first_probe_after
-        self.priors = {"ngram": ngram_prior, "draft": draft_prior}
+        self.priors = {"ngram": ngram_prior, "cache": cache_prior, "draft": draft_prior, "hybrid": draft_prior}
         self.begin(())
 
-    def begin(self, prompt) -> None:
+    def begin(self, prompt, history: Optional[NgramHistory] = None) -> None:
+        self.history = history
         self.estimates = {source: AcceptanceEstimate(prior) for source, prior in self.priors.items()}
+        self.shadows: list[_Shadow] = []
         self.probe_interval = self.first_probe_after
         self.rounds_since_probe = 0
+        self.confidence_sum = 1.0  # calibration of the draft's confidence: accepted / confidence
+        self.confidence_accepted = 1.0
+        self._last: Optional[Option] = None
+        self._confidences: list[float] = []
         # The draft model's cache is synced lazily, on its first proposal, so a request that never
         # uses it never pays for processing the prompt on it.
 
     # -- the policy ----------------------------------------------------------------------------
-    def plan(self, ngram_available: int, k: int) -> tuple[str, int]:
-        """The best (source, length) for this round: ("off", 0) when nothing beats plain decoding."""
-        t1 = self.cost.target(1)
-        best, best_rate = ("off", 0), 1.0 / t1
-        for j in range(1, ngram_available + 1):
-            rate = expected_tokens(self.estimates["ngram"].rate, j) / self.cost.target(1 + j)
-            if rate > best_rate:
-                best, best_rate = ("ngram", j), rate
-        if self.model_drafter is not None and self.cost.draft_step_seconds:
-            for j in range(1, k + 1):
-                seconds = self.cost.target(1 + j) + j * self.cost.draft_step_seconds
-                rate = expected_tokens(self.estimates["draft"].rate, j) / seconds
-                if rate > best_rate:
-                    best, best_rate = ("draft", j), rate
-        if best[0] != "off" and best_rate < (1.0 + self.margin) / t1:
-            return ("off", 0)
+    def options(self, available: dict[str, int], k: int) -> list[Option]:
+        """Every proposal worth pricing, with its expected tokens per second; `available` holds
+        how many tokens each n-gram source offers this round. Called every round: kept cheap."""
+        target = [self.cost.target(n) for n in range(1, k + 2)]  # target[n - 1] = t(n)
+        options = [Option("off", 0, 1.0 / target[0])]
+        source_rates = {source: self.estimates[source].rates(offered) for source, offered in available.items()}
+        for source, rates in source_rates.items():
+            reach = tokens = 1.0
+            for j, rate in enumerate(rates, start=1):
+                reach *= rate
+                tokens += reach
+                options.append(Option(source, j, tokens / target[j]))
+        if not self.draft_could_pay(k):
+            return options
+        draft_step = self.cost.draft_step_seconds
+        for kind, prefixes in (("draft", {"": []}), ("hybrid", source_rates)):
+            model_rates = self.estimates[kind].rates(k)
+            for prefix_source, prefix_rates in prefixes.items():
+                for m in range(len(prefix_rates[:k - 1]) + 1):
+                    if kind == "hybrid" and m == 0:
+                        continue
+                    reach, tokens = 1.0, 1.0
+                    for rate in prefix_rates[:m]:
+                        reach *= rate
+                        tokens += reach
+                    # A hybrid evaluates its prefix in one draft forward, then steps the model.
+                    for j, rate in enumerate(model_rates[:k - m], start=m + 1):
+                        reach *= rate
+                        tokens += reach
+                        seconds = target[j] + (j - m + (1 if m else 0)) * draft_step
+                        options.append(Option(kind, j, tokens / seconds, prefix_source, m))
+        return options
+
+    def plan(self, available: dict[str, int], k: int) -> Option:
+        """The best option this round: "off" unless something beats plain decoding by the margin."""
+        options = self.options(available, k)
+        plain, best = options[0], max(options, key=lambda o: o.tokens_per_second)
+        if best.tokens_per_second < (1.0 + self.margin) * plain.tokens_per_second:
+            return plain
         return best
 
+    def draft_could_pay(self, k: int) -> bool:
+        """Whether the draft model beats plain decoding at all here, even if always accepted."""
+        draft_step = self.cost.draft_step_seconds
+        if self.model_drafter is None or not draft_step:
+            return False
+        best = max((1 + j) / (self.cost.target(1 + j) + j * draft_step) for j in range(1, k + 1))
+        return best > (1.0 + self.margin) / self.cost.target(1)
+
+    # -- rounds --------------------------------------------------------------------------------
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
-        continuation = find_ngram_continuation(context, k, self.max_ngram)
-        source, j = self.plan(len(continuation), k)
-        if source == "ngram":
-            return Proposal(continuation[:j], None, "ngram")
-        if source == "draft":
-            proposal = self.model_drafter.propose(context, j, sampling, rng)
-            return Proposal(proposal.draft_tokens, proposal.draft_probs, "draft")
-        self.rounds_since_probe += 1
-        if continuation and self.rounds_since_probe >= self.probe_interval:
-            self.rounds_since_probe = 0
-            return Proposal(continuation[:1], None, "ngram-probe")
+        self._learn_from_shadows(context)
+        offers = {"ngram": find_ngram_continuation(context, k, self.max_ngram)}
+        if self.history is not None:
+            offers["cache"] = self.history.lookup(context, k)
+        offers = {source: tokens for source, tokens in offers.items() if tokens}
+        option = self.plan({source: len(tokens) for source, tokens in offers.items()}, k)
+        if option.source == "off" and self._probe_due(k):
+            option = Option("draft-probe", min(k, 2), option.tokens_per_second)
+        self._last = option
+        for source, tokens in offers.items():
+            if source != option.source:
+                self.shadows.append(_Shadow(source, len(context), tokens))
+        if option.source in NGRAM_SOURCES:
+            return Proposal(offers[option.source][:option.length], None, option.source)
+        if option.source in ("draft", "hybrid", "draft-probe"):
+            self._confidences = []
+            prefix = offers[option.prefix_source][:option.prefix_length] if option.prefix_length else ()
+            proposal = self.model_drafter.propose(context, option.length, sampling, rng, prefix,
+                                                  self._early_stop(option))
+            return Proposal(proposal.draft_tokens, proposal.draft_probs, option.source)
         return Proposal((), None, "off")
 
     def observe(self, proposal: Proposal, num_accepted: int, verify_seconds: Optional[float]) -> None:
         proposed = len(proposal.draft_tokens)
         if verify_seconds is not None:
             self.cost.observe_target(1 + proposed, verify_seconds)
-        if not proposed:
+        option, self._last = self._last, None
+        if not proposed or option is None:
             return
-        source = "ngram" if proposal.source.startswith("ngram") else proposal.source
-        self.estimates[source].observe(proposed, num_accepted)
-        if proposal.source == "ngram-probe":
+        rejected = num_accepted < proposed
+        if proposal.source in NGRAM_SOURCES:
+            self.estimates[proposal.source].observe(proposed, num_accepted, rejected)
+            return
+        prefix = option.prefix_length if proposal.source == "hybrid" else 0
+        if prefix:
+            self.estimates[option.prefix_source].observe(prefix, min(num_accepted, prefix), num_accepted < prefix)
+        if num_accepted >= prefix:
+            model_accepted = num_accepted - prefix
+            self.estimates["hybrid" if prefix else "draft"].observe(proposed - prefix, model_accepted, rejected)
+            self._calibrate_confidence(model_accepted)
+        if proposal.source == "draft-probe":
             # A failed probe waits twice as long for the next; a successful one resets the wait.
             self.probe_interval = self.first_probe_after if num_accepted else self.probe_interval * 2
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _learn_from_shadows(self, context: Sequence[int]) -> None:
+        """Score earlier shadow proposals against the tokens committed since."""
+        pending = []
+        for shadow in self.shadows:
+            committed = context[shadow.context_length:]
+            matched = 0
+            for proposed, actual in zip(shadow.tokens, committed):
+                if proposed != actual:
+                    break
+                matched += 1
+            if matched == len(shadow.tokens) or matched < len(committed):
+                self.estimates[shadow.source].observe(len(shadow.tokens), matched, matched < len(shadow.tokens))
+            else:
+                pending.append(shadow)  # every committed token matched, more are needed to judge it
+        self.shadows = pending
+
+    def _probe_due(self, k: int) -> bool:
+        if not self.draft_could_pay(k):
+            return False
+        self.rounds_since_probe += 1
+        if self.rounds_since_probe < self.probe_interval:
+            return False
+        self.rounds_since_probe = 0
+        return True
+
+    def _early_stop(self, option: Option):
+        """keep_drafting(position, confidence) for the draft model: go on while the chance that
+        the next token is accepted (its prefix included) pays for its marginal cost at the planned
+        rate — the threshold follows this machine's cost curve and the plan."""
+        reach = 1.0  # chance that every token before the next one is accepted
+        if option.prefix_length:
+            for rate in self.estimates[option.prefix_source].rates(option.prefix_length):
+                reach *= rate
+        calibration = self.confidence_accepted / self.confidence_sum
+        draft_step = self.cost.draft_step_seconds or 0.0
+
+        def keep_drafting(position: int, confidence: float) -> bool:
+            nonlocal reach
+            self._confidences.append(confidence)
+            reach_next = reach * min(1.0, confidence * calibration)
+            marginal_seconds = self.cost.target(position + 2) - self.cost.target(position + 1) + draft_step
+            if reach_next < option.tokens_per_second * marginal_seconds:
+                self._confidences.pop()
+                return False
+            reach = reach_next
+            return True
+
+        return keep_drafting
+
+    def _calibrate_confidence(self, model_accepted: int) -> None:
+        """Compare the draft's confidence with what the target accepted, over verified positions."""
+        for position, confidence in enumerate(self._confidences[:model_accepted + 1]):
+            self.confidence_sum += confidence
+            self.confidence_accepted += 1 if position < model_accepted else 0

@@ -1,24 +1,33 @@
 """Drafting with a small model that shares the target's tokenizer."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from specdec.drafters.base import Drafter
+from specdec.drafters.history import NgramHistory
 from specdec.engine.sequence import CachedSequence
-from specdec.sampling.probs import sample, token_distribution
+from specdec.sampling.probs import one_hot, sample, softmax, token_distribution
 from specdec.types import Proposal, SamplingParams
+
+# keep_drafting(position, confidence) -> False ends the draft before `position` (0-based in the
+# proposal); confidence is the draft model's probability of its most likely token there.
+KeepDrafting = Callable[[int, float], bool]
 
 
 class ModelDrafter(Drafter):
-    """Runs the draft model autoregressively for k steps.
+    """Runs the draft model autoregressively for up to k steps.
 
     Its KV cache is kept in step with the target's by prefix: before each proposal, the cache is
     cut back to the longest prefix it shares with the committed text and the rest is evaluated,
     so rejected draft tokens are rolled back and accepted ones are never evaluated twice.
     Greedy requests draft the argmax (a one-hot q); sampled requests sample from the draft's
     distribution under the same sampling parameters and pass it along as q.
+
+    `prefix` makes it a hybrid: tokens another source already proposed (an n-gram match) are
+    evaluated in one batch and the model continues after them; their q is one-hot, as for any
+    deterministic proposal, so the acceptance rule stays exact.
     """
 
     name = "draft"
@@ -26,27 +35,34 @@ class ModelDrafter(Drafter):
     def __init__(self, sequence: CachedSequence):
         self.sequence = sequence
 
-    def begin(self, prompt: Sequence[int]) -> None:
+    def begin(self, prompt: Sequence[int], history: Optional[NgramHistory] = None) -> None:
         self.sequence.prefill(list(prompt[:-1]))
 
-    def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
+    def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator,
+                prefix: Sequence[int] = (), keep_drafting: Optional[KeepDrafting] = None) -> Proposal:
+        source = "hybrid" if prefix else "draft"
+        prefix = tuple(int(t) for t in prefix[:k])
         if k <= 0:
             return Proposal(())
         context = list(context)
         # Catch up in full batches (after a rollback, or the prompt on first use); the last token
-        # is evaluated on its own because its logits start the draft.
+        # (and any prefix) is evaluated separately because its logits start the draft.
         self.sequence.prefill(context[:-1])
-        logits = self.sequence.extend(context[-1:])[-1]
-        tokens: list[int] = []
-        probs: list[np.ndarray] = []
-        for i in range(k):
-            if sampling.greedy:
-                token = int(np.argmax(logits))
-            else:
-                dist = token_distribution(logits, sampling)
-                token = sample(dist, rng)
-                probs.append(dist)
+        logits = self.sequence.extend([context[-1], *prefix])[-1]
+        tokens: list[int] = list(prefix)
+        probs: list[np.ndarray] = [] if sampling.greedy else [one_hot(t, logits.shape[-1]) for t in prefix]
+        while len(tokens) < k:
+            dist = None if sampling.greedy else token_distribution(logits, sampling)
+            if keep_drafting is not None:
+                # Decided before drawing the token, from the distribution alone: a stop that
+                # depended on the drawn token would bias which tokens get verified (not exact).
+                confidence = float(softmax(logits).max() if dist is None else dist.max())
+                if not keep_drafting(len(tokens), confidence):
+                    break
+            token = int(np.argmax(logits)) if dist is None else sample(dist, rng)
             tokens.append(token)
-            if i < k - 1:
+            if dist is not None:
+                probs.append(dist)
+            if len(tokens) < k:
                 logits = self.sequence.extend([token])[-1]
-        return Proposal(tuple(tokens), np.stack(probs) if probs else None, "draft")
+        return Proposal(tuple(tokens), np.stack(probs) if probs else None, source)

@@ -42,6 +42,12 @@ class CostModel:
         self.target_seconds[n] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
         self.observations[n] = self.observations.get(n, 0) + 1
 
+    def summary(self) -> str:
+        """One line: t(1) and v(n), e.g. "t(1) 43.1 ms, v(2..8) 1.90 2.71 ...; draft step 14.2 ms"."""
+        v = " ".join(f"{self.relative(n):.2f}" for n in sorted(self.target_seconds) if n > 1)
+        draft = f"; draft step {self.draft_step_seconds * 1e3:.1f} ms" if self.draft_step_seconds else ""
+        return f"t(1) {self.target(1) * 1e3:.1f} ms, v(2..{max(self.target_seconds)}) {v}{draft}"
+
     def as_dict(self) -> dict:
         t1 = self.target(1)
         return {
@@ -55,11 +61,12 @@ class CostModel:
 def calibrate(
     target: CachedSequence,
     draft: Optional[CachedSequence],
-    max_tokens: int = 8,
+    max_tokens: int = 16,
     repeats: int = 2,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CostModel:
     """Time target forwards over 1..max_tokens tokens (and draft steps) after a scratch prompt.
+    About 10 s for the default pair on a 2-core CPU.
 
     Leaves both caches empty. The minimum over repeats is kept: noise only ever adds time.
     """

@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from specdec.drafters.base import Drafter
+from specdec.drafters.history import NgramHistory
 from specdec.engine.sequence import CachedSequence
 from specdec.engine.stats import GenerationStats
 from specdec.engine.stopping import TextAssembler
@@ -32,12 +33,14 @@ class Generation:
         *,
         prefix_cache: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        history: Optional[NgramHistory] = None,
     ):
         self.request = request
         self.target = target
         self.drafter = drafter
         self.prefix_cache = prefix_cache
         self.clock = clock
+        self.history = history  # the tenant's cross-request n-gram cache: drafts from it, learns our text
         self.rng = np.random.default_rng(request.sampling.seed)
         self.context: list[int] = list(request.prompt_token_ids)  # prompt + generated; last = pending
         self.token_ids: list[int] = []
@@ -68,7 +71,7 @@ class Generation:
         if not self.prefix_cache:
             self.target.clear()
         reused = self.target.prefill(prompt[:-1])
-        self.drafter.begin(prompt)
+        self.drafter.begin(prompt, self.history)
         self.stats.prompt_tokens = len(prompt)
         self.stats.cached_prompt_tokens = reused if cached_prompt_tokens is None else cached_prompt_tokens
         self.stats.prompt_seconds = self.clock() - self._started_at
@@ -88,8 +91,12 @@ class Generation:
         self.stats.draft_seconds += self.clock() - t0
         return [self.context[-1], *self._proposal.draft_tokens]
 
-    def commit(self, target_logits: np.ndarray) -> StreamEvent:
-        """Accept a prefix of the proposal given the target's logits [k + 1, vocab]; roll back the rest."""
+    def commit(self, target_logits: np.ndarray, alone_seconds: Optional[float] = None) -> StreamEvent:
+        """Accept a prefix of the proposal given the target's logits [k + 1, vocab]; roll back the rest.
+        `alone_seconds`: the forward's time when it evaluated this sequence alone (it updates the
+        cost model of `auto`)."""
+        if alone_seconds is not None:
+            self._verify_seconds = alone_seconds
         proposal = self._proposal
         draft_tokens = proposal.draft_tokens
         k = len(draft_tokens)
@@ -150,6 +157,10 @@ class Generation:
             self.finish_reason = reason
             self.assembler.finish()
             self.stats.total_seconds = self.clock() - self._started_at
+            if self.history is not None and self.token_ids:
+                # The prompt's tail leads in, so the first generated tokens can be drafted next time.
+                lead_in = list(self.request.prompt_token_ids[-self.history.order:])
+                self.history.add(lead_in + self.token_ids)
 
     def _event(self, new_tokens: list[int]) -> StreamEvent:
         delta = self.assembler.take_delta(final=self.finished)

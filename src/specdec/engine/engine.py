@@ -8,6 +8,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 from specdec.backends.base import Backend, check_draft_compatible
 from specdec.drafters.auto import AutoDrafter
 from specdec.drafters.base import Drafter, NoDrafter
+from specdec.drafters.history import CrossRequestCache
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine.cost_model import CostModel, calibrate
@@ -21,6 +22,7 @@ class EngineConfig:
     ngram_max: int = 3
     ngram_min: int = 1
     prefix_cache: bool = True  # reuse the cached KV of a prompt prefix seen by the previous request
+    cross_request_ngrams: bool = True  # draft from text generated earlier for the same tenant
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Engine:
             raise SpecdecError(f"{n_slots} slots need backends that hold {n_slots} sequences.")
         self.slots = [self._make_slot(seq_id) for seq_id in range(n_slots)]
         self.cost_model: Optional[CostModel] = None  # measured on first use of `auto`
+        self.cross_request = CrossRequestCache(order=config.ngram_max)
 
     def _make_slot(self, seq_id: int) -> Slot:
         drafters: dict[str, Drafter] = {
@@ -106,7 +109,9 @@ class Engine:
         drafter = chosen.drafters.get(request.spec.method)
         if drafter is None:
             raise SpecdecError(f"method {request.spec.method!r} needs a draft model; start with --draft-model.")
-        return Generation(request, chosen.target, drafter, prefix_cache=self.config.prefix_cache, clock=self.clock)
+        history = self.cross_request.for_tenant(request.tenant) if self.config.cross_request_ngrams else None
+        return Generation(request, chosen.target, drafter, prefix_cache=self.config.prefix_cache, clock=self.clock,
+                          history=history)
 
     def stream(self, request: GenerationRequest) -> Iterator[StreamEvent]:
         return run_to_completion(self.new_generation(request))
@@ -126,6 +131,10 @@ class Engine:
             slot.target.clear()
             if slot.draft is not None:
                 slot.draft.clear()
+
+    def reset_cross_request_state(self) -> None:
+        """Forget every tenant's cross-request n-gram cache (the benchmark's runs start equal)."""
+        self.cross_request.reset()
 
     def close(self) -> None:
         self.target.close()

@@ -92,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(args, default_name)
     engine = load_engine(args, n_slots=args.parallel)
     try:
+        if config.spec.method == "auto":
+            # Measured now, while no request waits, rather than inside the first request.
+            cost = engine.calibrate()
+            logging.getLogger("specdec.server").info("calibrated: %s", cost.summary())
         app = create_app(engine, config)
         server = make_server(app, args.host, args.port, args.drain_grace, args.log_level)
         logging.getLogger("specdec.server").info(

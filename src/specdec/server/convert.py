@@ -65,7 +65,7 @@ def speculation(value: Union[bool, SpeculativeDecoding, None], config: ServerCon
 
 
 def generation_request(engine: Engine, config: ServerConfig, body: Union[ChatCompletionRequest, CompletionRequest],
-                       prompt_ids: list[int]) -> GenerationRequest:
+                       prompt_ids: list[int], tenant: Optional[str] = None) -> GenerationRequest:
     n_ctx = engine.target.n_ctx
     prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     if len(prompt_ids) >= n_ctx:
@@ -96,6 +96,7 @@ def generation_request(engine: Engine, config: ServerConfig, body: Union[ChatCom
         spec=speculation(body.speculative_decoding, config, engine),
         stop=stop,
         ignore_eos=bool(body.ignore_eos),
+        tenant=tenant,
     )
     try:
         request.sampling.validate()

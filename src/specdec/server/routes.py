@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from specdec.drafters.history import tenant_of_api_key
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.convert import check_model, encode_prompt, generation_request
@@ -158,12 +159,18 @@ def finish_reason_of(event: StreamEvent) -> str:
     return "length" if event.finish_reason == "cancelled" else event.finish_reason
 
 
+def tenant_of(request: Request) -> str:
+    """Requests with the same bearer token share a cross-request n-gram cache; others never do."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return tenant_of_api_key(token.strip() if scheme.lower() == "bearer" else None)
+
+
 async def _complete(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], fmt: Format) -> Response:
     state = state_of(request)
     check_model(body.model, state.config)
     # Chat templates and tokenizers can take a while on long prompts: off the event loop.
     prompt_ids = await run_in_threadpool(encode_prompt, state.engine, body)
-    gen_request = generation_request(state.engine, state.config, body, prompt_ids)
+    gen_request = generation_request(state.engine, state.config, body, prompt_ids, tenant_of(request))
     try:
         ticket = state.scheduler.submit(gen_request, asyncio.get_running_loop())
     except QueueFull:

@@ -316,7 +316,8 @@ class Scheduler:
             generation = run.generation
             generation.target.record(tokens)
             generation.stats.verify_seconds += spent
-            self._deliver(run, generation.commit(logits))
+            alone = len(batch) == 1 or not self.config.batch_verify  # a batched forward times no one sequence
+            self._deliver(run, generation.commit(logits, spent if alone else None))
 
     def _deliver(self, run: _Running, event: StreamEvent) -> None:
         if event.token_ids and run.first_token_at is None:
