@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment at .venv, llama-cpp-python built for this CPU with
-# specdec's exactness switch, and specdec with its test dependencies. Safe to run again.
+# specdec's exactness switch, torch's CPU build, and specdec with its test dependencies. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
+TORCH_VERSION=2.13.0  # as pinned in pyproject.toml's torch extra
 PATCH_LEVEL=1  # bump when scripts/patch_llama_cpp.sh changes
 SPECDEC_HOME=${SPECDEC_HOME:-$HOME/.cache/specdec}
 
@@ -60,4 +61,8 @@ if ! llama_ok; then
   llama_ok || { echo "specdec: llama-cpp-python install failed its check" >&2; exit 1; }
 fi
 
+# torch before the extras that need it: pinned here, pip takes the CPU wheel on disk (2.13.0+cpu
+# sorts above PyPI's 2.13.0, a CUDA build); left to the resolver of `.[test]` it could take either.
+# Already installed, pip does nothing.
+.venv/bin/python -m pip install -q "torch==$TORCH_VERSION"
 .venv/bin/python -m pip install -q -e ".[test]" --find-links "$wheel_dir"

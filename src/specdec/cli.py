@@ -75,17 +75,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    """Measure and print this machine's cost model: what `auto` prices its proposals with."""
-    from specdec.runtime import load_engine
+    """Measure each configuration's cost model (what `auto` prices its proposals with), one loaded
+    at a time; print one JSON line per configuration, then a table and the exact one to default to."""
+    from specdec.machine_profile import BackendConfig, choose, format_table, measure_config, parse_configs, save_profile
+    from specdec.runtime import load_engine, resolve_backend
 
-    engine = load_engine(args)
-    try:
-        cost = engine.calibrate().as_dict()
-        cost["backend"] = engine.target.describe()
-        print(json.dumps(cost, indent=2))
-        return 0
-    finally:
-        engine.close()
+    if args.configs:
+        configs = parse_configs(args.configs)
+    else:
+        resolve_backend(args)
+        configs = [BackendConfig.from_args(args)]
+    entries = []
+    for config in configs:
+        entries.append(measure_config(args, config, load_engine))
+        print(json.dumps(entries[-1]), flush=True)
+    measured = [entry for entry in entries if "error" not in entry]
+    if not measured:
+        raise SpecdecError("; ".join(f"{entry['config']}: {entry['error']}" for entry in entries))
+    chosen = choose(entries)
+    print()
+    print(format_table(entries, chosen))
+    if args.save:
+        print(f"specdec calibrate: saved to {save_profile(entries, chosen)}", file=sys.stderr)
+    return 0
 
 
 def format_stats_line(stats: dict) -> str:
@@ -129,7 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(generate)
     generate.set_defaults(handler=_cmd_generate)
 
-    calibrate = commands.add_parser("calibrate", help="measure and print this machine's cost model")
+    calibrate = commands.add_parser("calibrate", help="measure this machine's cost model per backend configuration "
+                                                      "and choose the fastest exact one")
+    calibrate.add_argument("--configs", help="comma-separated configurations to measure one after another, e.g. "
+                                             "llama.cpp,llama.cpp:inexact,torch:bfloat16,torch:float32 (torch ones "
+                                             "take :inexact too), or all (every one whose libraries are installed); "
+                                             "default: the one --backend, --dtype and --inexact name")
+    calibrate.add_argument("--save", action="store_true",
+                           help="save the measurements and the chosen exact configuration to "
+                                "$SPECDEC_HOME/machine_profile.json (default ~/.cache/specdec): commands given no "
+                                "--backend then use that choice on this machine")
     add_model_arguments(calibrate)
     calibrate.set_defaults(handler=_cmd_calibrate)
 

@@ -3,6 +3,7 @@ learned from shadow proposals, early stopping of model drafts, calibration with 
 and losslessness (greedy `auto` equals plain; sampled hybrid proposals keep the target's law)."""
 import numpy as np
 import pytest
+from fakes.clock import FakeClock
 
 from specdec.backends.fake import FakeBackend
 from specdec.drafters.auto import AcceptanceEstimate, AutoDrafter, Option, expected_tokens
@@ -15,17 +16,6 @@ from specdec.sampling.verify import verify
 from specdec.types import GenerationRequest, Proposal, SamplingParams, SpecConfig
 
 GREEDY = SamplingParams()
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class StubModelDrafter:

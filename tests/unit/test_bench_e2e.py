@@ -110,7 +110,7 @@ def test_end_to_end_on_the_fake_backend(tmp_path):
     assert report["peers"]["llama-server"]["status"].startswith("not run")
     markdown = (out / "report.md").read_text()
     assert "## Overall" in markdown and "## chat" in markdown and "| draft:k3 |" in markdown
-    assert "not run: needs the PyTorch backend" in markdown
+    assert "not run: not requested (--peer hf-assisted)" in markdown
     assert "Every successful output is identical to off" in markdown
 
 

@@ -10,8 +10,9 @@ import urllib.request
 import pytest
 
 from specdec.bench.datasets import BenchPrompt
-from specdec.bench.peers import (HF_NOT_READY, NOT_GIVEN, ServerOptions, parse_peers, peer_status,
-                                 run_llama_server)
+from specdec.bench import peers
+from specdec.bench.peers import (HF_NOT_GIVEN, HF_NOT_INSTALLED, NOT_GIVEN, RUN, ServerOptions, parse_peers,
+                                 peer_status, run_llama_server)
 from specdec.bench.records import RecordFile
 from specdec.bench.report import build_report
 from specdec.bench.runner import RunSettings
@@ -72,10 +73,13 @@ def fake_binary(tmp_path, body=FAKE_SERVER):
     return path, log
 
 
-def test_peers_not_given_are_not_run():
+def test_peers_not_given_are_not_run(monkeypatch):
     status = peer_status(parse_peers([]))
-    assert status == {"llama-server": NOT_GIVEN, "hf-assisted": HF_NOT_READY}
-    assert peer_status(parse_peers(["hf-assisted"]))["hf-assisted"] == "not run: needs the PyTorch backend"
+    assert status == {"llama-server": NOT_GIVEN, "hf-assisted": HF_NOT_GIVEN}
+    monkeypatch.setattr(peers, "torch_installed", lambda: False)
+    assert peer_status(parse_peers(["hf-assisted"]))["hf-assisted"] == HF_NOT_INSTALLED
+    monkeypatch.setattr(peers, "torch_installed", lambda: True)
+    assert peer_status(parse_peers(["hf-assisted"]))["hf-assisted"] == RUN
 
 
 def test_peer_arguments_are_checked(tmp_path):
@@ -127,13 +131,13 @@ def test_llama_server_is_run_on_the_same_prompts_and_reported(tmp_path):
             "success": True, "wall_seconds": 1.0, "stats": {"tokens_per_second": 10.0, "generated_tokens": 16}}
            for p in PROMPTS]
     report = build_report(own + peer_records, {"temperature": 0.0},
-                          {"llama-server": "run", "hf-assisted": HF_NOT_READY}, tmp_path)
+                          {"llama-server": "run", "hf-assisted": HF_NOT_GIVEN}, tmp_path)
     row = report["peers"]["llama-server"]["configs"]["llama-server:draft:k3"]
     assert row["speedup_mean"] == pytest.approx(2.0)  # vs its own no-draft run
     assert row["speedup_vs_specdec_off"] == pytest.approx(4.0)
     markdown = (tmp_path / "report.md").read_text()
     assert "| llama-server | llama-server:draft:k3 | 2 | 40.00 |" in markdown
-    assert "| hf-assisted | — | — | not run: needs the PyTorch backend |" in markdown
+    assert "| hf-assisted | — | — | not run: not requested (--peer hf-assisted) |" in markdown
     assert (row["identical_text_to_own_off"], row["compared_with_own_off"]) == (2, 2)  # the stand-in echoes the prompt
 
 

@@ -1,19 +1,9 @@
 """The cross-request n-gram cache: bounded tables, one per tenant, drafting text generated before."""
+from fakes.clock import FakeClock
 from specdec.backends.fake import FakeBackend
 from specdec.drafters.history import CrossRequestCache, NgramHistory, tenant_of_api_key
 from specdec.engine.engine import Engine
 from specdec.types import GenerationRequest, SpecConfig
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def test_lookup_returns_what_followed_the_last_ngram_most_recently():

@@ -5,6 +5,7 @@ import asyncio
 
 import openai
 import pytest
+from fakes.clock import FakeClock
 
 from specdec.backends.fake import FakeBackend
 from specdec.engine.engine import Engine
@@ -190,19 +191,6 @@ def test_stop_string_is_honoured(client, method):
                     extra_body={"speculative_decoding": {"method": method, "num_speculative_tokens": 4}})
     assert response.choices[0].message.content == cut
     assert response.choices[0].finish_reason == "stop"
-
-
-class FakeClock:
-    """Each forward of the fake backend advances it by a known cost: `auto` decides the same way every run."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def test_cross_request_ngrams_are_kept_per_api_key():

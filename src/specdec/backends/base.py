@@ -61,9 +61,13 @@ class Backend(ABC):
         """A hash of every token's bytes: equal fingerprints mean interchangeable token ids."""
         digest = hashlib.sha256()
         for token_id in range(self.vocab_size):
-            digest.update(self.token_bytes(token_id))
+            digest.update(self.fingerprint_bytes(token_id))
             digest.update(b"\x00")
         return digest.hexdigest()
+
+    def fingerprint_bytes(self, token_id: int) -> bytes:
+        """A token's identity in the fingerprint; backends whose control tokens render as nothing give their text."""
+        return self.token_bytes(token_id)
 
     def close(self) -> None:
         pass

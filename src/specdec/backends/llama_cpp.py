@@ -171,14 +171,8 @@ class LlamaCppBackend(Backend):
             piece = self._pieces[token_id] = self._piece(token_id, special=False)
         return piece
 
-    def vocab_fingerprint(self) -> str:
-        import hashlib
-
-        digest = hashlib.sha256()
-        for token_id in range(self.vocab_size):
-            digest.update(self._piece(token_id, special=True))
-            digest.update(b"\x00")
-        return digest.hexdigest()
+    def fingerprint_bytes(self, token_id: int) -> bytes:
+        return self._piece(token_id, special=True)
 
     def apply_chat_template(self, messages: Sequence[dict]) -> str:
         if not self._chat_template:

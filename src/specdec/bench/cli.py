@@ -17,15 +17,16 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from specdec.bench.datasets import SPEC_BENCH, load_prompts, spec_bench_path
-from specdec.bench.peers import LLAMA_SERVER, parse_peers, peer_status, run_llama_server
+from specdec.bench.peers import (HF_ASSISTED, LLAMA_SERVER, RUN, parse_peers, peer_status, run_hf_assisted,
+                                 run_llama_server)
 from specdec.bench.records import RECORDS_FILE, RecordFile
 from specdec.bench.report import build_report
 from specdec.bench.runner import Runner, RunSettings, parse_configs, pending
-from specdec.types import SpecdecError
+from specdec.types import DEFAULT_NUM_DRAFT_TOKENS, SpecdecError
 
 META_FILE = "meta.json"
 # Settings a resumed run must share with the run it continues (records would not be comparable).
-RESUME_FIXED = ("dataset", "max_tokens", "temperature", "seed", "model", "draft_model")
+RESUME_FIXED = ("dataset", "max_tokens", "temperature", "seed", "model", "draft_model", "backend", "dtype")
 
 
 def _split(values) -> list[str]:
@@ -75,6 +76,9 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
         raise SpecdecError("--warmup must be >= 0.")
     if args.temperature < 0:
         raise SpecdecError("--temperature must be >= 0.")
+    from specdec.runtime import resolve_backend
+
+    resolve_backend(args)  # the backend is part of the run's settings: name it before recording them
     try:
         ks = [int(k) for k in _split([args.num_draft_tokens])] if args.num_draft_tokens else None
     except ValueError:
@@ -126,6 +130,12 @@ def _measure(args, engine_factory, prompts, configs, settings, records, meta, pe
         threads = args.threads or _usable_cores()  # the same threads as our engine's default
         run_llama_server(peers[LLAMA_SERVER], prompts, draft_ks, settings, records, target, draft,
                          out / "logs", args.ctx_size, threads, progress)
+    if peer_status(peers)[HF_ASSISTED] == RUN:
+        target, draft = _model_paths(args, need_draft)
+        draft_ks = [c.num_draft_tokens for c in configs if c.method == "draft"]
+        ngram_ks = [c.num_draft_tokens for c in configs if c.method == "ngram"] or [DEFAULT_NUM_DRAFT_TOKENS]
+        run_hf_assisted(prompts, draft_ks, ngram_ks, settings, records, target, draft, args.dtype, args.ctx_size,
+                        args.threads or _usable_cores(), progress=progress)
 
 
 def _load_engine(args: argparse.Namespace):
@@ -211,6 +221,8 @@ def _run_meta(args: argparse.Namespace, prompts, configs) -> dict:
         "configs": [c.label for c in configs],
         "model": args.model,
         "draft_model": args.draft_model,
+        "backend": args.backend,
+        "dtype": args.dtype if args.backend == "torch" else None,
         "models": _models_meta(args, any(c.method == "draft" for c in configs)),
         "machine": _machine(),
     }

@@ -4,8 +4,11 @@
 draft length K of the run's `draft` configurations (`-md DRAFT --spec-type draft-simple
 --spec-draft-n-max K`), sends every prompt as chat messages to /v1/chat/completions (greedy when
 the run is, same max tokens, no prompt cache) and records the server's own `timings`.
-`hf-assisted` is the hook for the PyTorch backend's assisted generation; until that backend
-exists it reports "not run". A peer that is not run is reported as such, never estimated.
+`hf-assisted` runs transformers' own `model.generate` on the models the torch backend loads (same
+loader, same chat template, same end-of-generation ids): plain, with the draft model as
+`assistant_model` at each draft K (a constant K, no confidence stop: like our draft:kK), and with
+`prompt_lookup_num_tokens` at each n-gram K (3 when the run has none). It needs torch and
+transformers. A peer that is not run is reported as such, never estimated.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Optional, Sequence
 
 from specdec.bench.datasets import BenchPrompt
 from specdec.bench.records import RecordFile
-from specdec.bench.runner import WARMUP_MAX_TOKENS, RunSettings
+from specdec.bench.runner import BASELINE, WARMUP_MAX_TOKENS, RunSettings
 from specdec.types import SpecdecError
 
 log = logging.getLogger(__name__)
@@ -34,7 +37,8 @@ HF_ASSISTED = "hf-assisted"
 PEERS = (LLAMA_SERVER, HF_ASSISTED)
 RUN = "run"
 NOT_GIVEN = "not run: no binary given (--peer llama-server=PATH)"
-HF_NOT_READY = "not run: needs the PyTorch backend"
+HF_NOT_GIVEN = "not run: not requested (--peer hf-assisted)"
+HF_NOT_INSTALLED = "not run: needs torch and transformers (pip install 'specdec[torch]')"
 STARTUP_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 1800.0
 
@@ -59,8 +63,15 @@ def peer_status(peers: dict[str, Optional[str]]) -> dict[str, str]:
     """A status line per known peer: "run", or why it was not run."""
     return {
         LLAMA_SERVER: RUN if peers.get(LLAMA_SERVER) else NOT_GIVEN,
-        HF_ASSISTED: HF_NOT_READY,  # the hook for the PyTorch backend; requested or not, it cannot run yet
+        HF_ASSISTED: (RUN if torch_installed() else HF_NOT_INSTALLED) if HF_ASSISTED in peers else HF_NOT_GIVEN,
     }
+
+
+def torch_installed() -> bool:
+    """Whether the hf-assisted peer can run, found without importing torch."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
 
 
 def free_port() -> int:
@@ -164,9 +175,9 @@ class LlamaServer:
             self.process.wait()
 
 
-def peer_record(prompt: BenchPrompt, label: str, method: str, k: int, repeat: int) -> dict:
+def peer_record(prompt: BenchPrompt, label: str, method: str, k: int, repeat: int, source: str = LLAMA_SERVER) -> dict:
     return {
-        "source": LLAMA_SERVER, "prompt_id": prompt.id, "category": prompt.category, "config": label,
+        "source": source, "prompt_id": prompt.id, "category": prompt.category, "config": label,
         "method": method, "num_draft_tokens": k, "repeat": repeat, "success": False, "error": None,
         "prompt_tokens": None, "output_token_ids": [], "text": None, "finish_reason": None,
         "wall_seconds": None, "stats": None, "timings": None,
@@ -258,4 +269,176 @@ def run_llama_server(
                     bar.update(1)
         finally:
             server.stop()
+    return counts
+
+
+@dataclass(frozen=True)
+class HfRun:
+    """One hf-assisted configuration: its label, the method it mirrors, its K and generate's extra arguments."""
+
+    label: str
+    method: str
+    k: int
+    options: dict
+
+
+class StreamClock:
+    """A duck-typed transformers streamer that times generate's chunks: the first put is the
+    prompt, each later one the tokens a step committed (several at once when speculating)."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.chunks: list[tuple[float, int]] = []  # (time, tokens) per put
+
+    def put(self, value) -> None:
+        self.chunks.append((self.clock(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+
+def stats_from_stream(chunks: Sequence[tuple[float, int]], started: float, ended: float, prompt_tokens: int,
+                      generated: int) -> dict:
+    """transformers' generation under the names the engine's stats use. Prompt time runs to the
+    first generated chunk (prompt processing and the first step); decode tokens/s counts the
+    tokens after that chunk over the time after it, one forward per token for plain decoding."""
+    first = chunks[1] if len(chunks) > 1 else (ended, 0)
+    prompt_seconds = first[0] - started
+    decode_seconds = ended - first[0]
+    later = max(0, generated - first[1])
+    return {
+        "prompt_tokens": prompt_tokens, "generated_tokens": generated,
+        "drafted_tokens": None, "accepted_tokens": None, "acceptance_rate": None,  # generate does not report them
+        "prompt_seconds": prompt_seconds, "total_seconds": ended - started,
+        "tokens_per_second": later / decode_seconds if later and decode_seconds > 0 else None,
+    }
+
+
+def hf_runs(draft_ks: Sequence[int], ngram_ks: Sequence[int], ngram_max: int, with_draft: bool) -> list[HfRun]:
+    runs = [HfRun(f"{HF_ASSISTED}:off", "off", 0, {})]
+    if with_draft:
+        runs += [HfRun(f"{HF_ASSISTED}:draft:k{k}", "draft", k, {"num_assistant_tokens": k}) for k in draft_ks]
+    runs += [HfRun(f"{HF_ASSISTED}:ngram:k{k}", "ngram", k,
+                   {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": ngram_max}) for k in ngram_ks]
+    return runs
+
+
+def hf_generate(target, draft, prompt_ids: Sequence[int], run: HfRun, max_new_tokens: int, settings: RunSettings,
+                seed: Optional[int]) -> tuple[list[int], str, dict, float]:
+    """One `model.generate` on a TorchBackend's model -> (token ids, finish reason, stats, wall seconds).
+
+    Everything that would make it differ from our engine is set: greedy or plain sampling (no
+    repetition penalty, top-k or top-p from the model's generation config), our end-of-generation
+    ids, and the ids end at the first of them, which is not returned (as our engine does).
+    """
+    import torch
+
+    options = dict(run.options)
+    if "num_assistant_tokens" in options:
+        # Read from the assistant's own generation config: a constant K and no early stop.
+        config = draft.model.generation_config
+        config.num_assistant_tokens = options.pop("num_assistant_tokens")
+        config.num_assistant_tokens_schedule = "constant"
+        config.assistant_confidence_threshold = 0.0
+        options["assistant_model"] = draft.model
+    eog = sorted(target.eog_token_ids)
+    # None unsets what the model's generation config would bring (Qwen's: temperature, top-k, top-p).
+    sampling = {"do_sample": not settings.greedy, "temperature": None if settings.greedy else settings.temperature,
+                "top_k": None, "top_p": None, "repetition_penalty": 1.0}
+    if seed is not None:
+        torch.manual_seed(seed)
+    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    stream = StreamClock()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        output = target.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                       max_new_tokens=max_new_tokens, eos_token_id=eog, pad_token_id=eog[0],
+                                       streamer=stream, **sampling, **options)
+    ended = time.perf_counter()
+    tokens = output[0, len(prompt_ids):].tolist()
+    stop = next((i for i, token in enumerate(tokens) if token in target.eog_token_ids), None)
+    finish = "length" if stop is None else "stop"
+    tokens = tokens if stop is None else tokens[:stop]
+    return tokens, finish, stats_from_stream(stream.chunks, started, ended, len(prompt_ids), len(tokens)), ended - started
+
+
+def run_hf_assisted(
+    prompts: Sequence[BenchPrompt],
+    draft_ks: Sequence[int],
+    ngram_ks: Sequence[int],
+    settings: RunSettings,
+    records: RecordFile,
+    target: str,
+    draft: Optional[str],
+    dtype: str = "bfloat16",
+    ctx_size: int = 4096,
+    threads: Optional[int] = None,
+    ngram_max: int = 3,
+    progress: bool = True,
+) -> dict:
+    """Measure transformers' generate plain, assisted by the draft per K, and with prompt lookup per K."""
+    from tqdm import tqdm
+
+    from specdec.backends.torch_backend import TorchBackend
+
+    runs = hf_runs(draft_ks, ngram_ks, ngram_max, with_draft=draft is not None)
+    todo_of = {run.label: [(p, r) for p in prompts for r in range(settings.repeats) if (p.id, run.label, r) not in records]
+               for run in runs}
+    counts = {"measured": 0, "failed": 0}
+    if not any(todo_of.values()):
+        return counts
+    loaded = []  # the target, then the draft when a draft configuration runs
+    try:
+        for path in [target, *([draft] if draft is not None and draft_ks else [])]:
+            loaded.append(TorchBackend(path, dtype=dtype, n_ctx=ctx_size, n_threads=threads, max_sequences=1))
+    except Exception as exc:
+        for backend in loaded:
+            backend.close()
+        for run in runs:
+            for prompt, repeat in todo_of[run.label]:
+                record = peer_record(prompt, run.label, run.method, run.k, repeat, source=HF_ASSISTED)
+                record["error"] = f"loading the models failed: {exc}"
+                records.append(record)
+                counts["failed"] += 1
+        return counts
+    target_backend, draft_backend = loaded[0], (loaded[1] if len(loaded) > 1 else None)
+
+    def encode(prompt: BenchPrompt) -> list[int]:  # as Engine.encode_prompt(messages, chat=True)
+        return target_backend.tokenize(target_backend.apply_chat_template(list(prompt.messages)), add_special=False)
+
+    try:
+        for run in runs:
+            todo = todo_of[run.label]
+            if not todo:
+                continue
+            for _ in range(settings.warmup):
+                try:
+                    hf_generate(target_backend, draft_backend, encode(prompts[0]), run,
+                                min(settings.max_tokens, WARMUP_MAX_TOKENS), settings, settings.seed)
+                except Exception as exc:
+                    log.warning("hf-assisted warm-up of %s failed: %s", run.label, exc)
+            with tqdm(total=len(todo), unit="gen", desc=run.label, file=sys.stderr, disable=not progress,
+                      dynamic_ncols=True) as bar:
+                for prompt, repeat in todo:
+                    record = peer_record(prompt, run.label, run.method, run.k, repeat, source=HF_ASSISTED)
+                    try:
+                        prompt_ids = encode(prompt)
+                        record["prompt_tokens"] = len(prompt_ids)
+                        seed = None if settings.greedy else settings.seed + repeat
+                        tokens, finish, stats, wall = hf_generate(target_backend, draft_backend, prompt_ids, run,
+                                                                  settings.max_tokens, settings, seed)
+                        record.update(success=True, output_token_ids=tokens, text=target_backend.detokenize(tokens),
+                                      finish_reason=finish, wall_seconds=wall, stats=stats)
+                        off = records.find((prompt.id, BASELINE, repeat))
+                        if settings.greedy and off is not None and off.get("success"):
+                            record["matches_specdec_off"] = off["output_token_ids"] == tokens
+                    except Exception as exc:
+                        record["error"] = f"{type(exc).__name__}: {exc}"
+                        counts["failed"] += 1
+                    records.append(record)
+                    counts["measured"] += 1
+                    bar.update(1)
+    finally:
+        for backend in loaded:
+            backend.close()
     return counts

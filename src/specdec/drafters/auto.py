@@ -201,7 +201,7 @@ class AutoDrafter(Drafter):
             option = Option("draft-probe", min(k, 2), option.tokens_per_second)
         self._last = option
         for source, tokens in offers.items():
-            if source != option.source:
+            if source not in (option.source, option.prefix_source):  # those learn from the verdict
                 self.shadows.append(_Shadow(source, len(context), tokens))
         if option.source in NGRAM_SOURCES:
             return Proposal(offers[option.source][:option.length], None, option.source)

@@ -1,0 +1,268 @@
+"""Choosing the backend configuration per machine: measure each, price speculation, keep the fastest exact one.
+
+A configuration is a backend, its dtype (torch only) and whether verification is exact. Which one
+decodes fastest depends on the machine (llama.cpp's Q4_K kernels verify n tokens for nearly n
+one-token steps on a 2-core AVX-512 CPU; another CPU may verify them almost for free), so
+`specdec calibrate --configs all --save` measures every installed configuration, prices the best
+speculation each allows under an assumed acceptance, and saves the fastest exact one to a
+per-machine profile. Commands given no --backend then use it, on the machine it was measured on.
+
+Inexact configurations are reported but never chosen: their batched logits may differ from
+one-token steps, so they are a lossy opt-in (--inexact), not a default.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Callable, Optional
+
+from specdec import __version__
+from specdec.backends.llama_cpp import default_threads
+from specdec.drafters.auto import expected_tokens
+from specdec.engine.cost_model import CostModel
+from specdec.models.registry import specdec_home
+from specdec.types import SpecdecError
+
+LLAMA_CPP = "llama.cpp"
+TORCH = "torch"
+BACKENDS = (LLAMA_CPP, TORCH)
+TORCH_DTYPES = ("bfloat16", "float32")  # torch_backend.DTYPES, named here without importing torch
+INEXACT = "inexact"
+
+# Per-token acceptance assumed when pricing speculation: the adaptive policy's prior for the draft
+# model (AutoDrafter's draft_prior). Spec-Bench on this project's machine measured the default pair
+# at 0.71 (K = 2) and 0.57 (K = 4), n-gram lookup at 0.33 and 0.22 (docs/benchmarks.md).
+ASSUMED_ACCEPTANCE = 0.6
+PROFILE_FILE = "machine_profile.json"
+DRAFTERS = ("ngram", "draft")
+
+
+def best_speculative_rate(cost: CostModel, acceptance: float, max_draft: int) -> dict:
+    """Expected tokens/s of plain decoding and of the best proposal of 1..max_draft tokens, when
+    each proposed token is accepted with probability `acceptance` once the ones before it were.
+
+    A proposal of j tokens yields 1 + a + ... + a^j tokens (the target's own included) for t(1 + j)
+    target seconds; a draft-model proposal also costs j draft steps, an n-gram one nothing. So at
+    equal acceptance n-gram proposals always price higher: the draft model's entry says what it
+    gives where no n-gram match exists. The best speculative rate is reported even when below
+    plain decoding's; `end_to_end` is the better of the two.
+    """
+    if max_draft < 1:
+        raise ValueError("max_draft must be at least 1")
+    plain = 1.0 / cost.target(1)
+    step_costs = {"ngram": 0.0, "draft": cost.draft_step_seconds}
+    result: dict = {"acceptance": acceptance, "plain_tokens_per_second": plain}
+    for drafter in DRAFTERS:
+        step = step_costs[drafter]
+        if step is None:
+            result[drafter] = None  # no draft model measured
+            continue
+        rates = {j: expected_tokens([acceptance] * j) / (cost.target(1 + j) + j * step)
+                 for j in range(1, max_draft + 1)}
+        length = max(rates, key=rates.get)
+        result[drafter] = {"length": length, "tokens_per_second": rates[length]}
+    best_drafter = max((d for d in DRAFTERS if result[d]), key=lambda d: result[d]["tokens_per_second"])
+    best = {"drafter": best_drafter, **result[best_drafter]}
+    result["best"] = best
+    result["speedup"] = best["tokens_per_second"] / plain
+    result["end_to_end_tokens_per_second"] = max(plain, best["tokens_per_second"])
+    return result
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    backend: str
+    dtype: Optional[str] = None  # torch only
+    exact: bool = True
+
+    @property
+    def label(self) -> str:
+        """"llama.cpp", "llama.cpp:inexact", "torch:bfloat16", "torch:float32:inexact"."""
+        return ":".join([self.backend, *([self.dtype] if self.dtype else []), *([] if self.exact else [INEXACT])])
+
+    @classmethod
+    def parse(cls, text: str) -> "BackendConfig":
+        backend, *rest = text.strip().split(":")
+        exact = INEXACT not in rest
+        rest = [part for part in rest if part != INEXACT]
+        if backend not in BACKENDS:
+            raise SpecdecError(f"unknown backend {backend!r} in {text!r}; choose {' or '.join(BACKENDS)}.")
+        dtype = None
+        if backend == TORCH:
+            dtype = rest.pop(0) if rest else TORCH_DTYPES[0]
+            if dtype not in TORCH_DTYPES:
+                raise SpecdecError(f"unknown dtype {dtype!r} in {text!r}; choose {' or '.join(TORCH_DTYPES)}.")
+        if rest:
+            raise SpecdecError(f"cannot read configuration {text!r}; e.g. llama.cpp, llama.cpp:inexact, torch:float32.")
+        return cls(backend, dtype, exact)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "BackendConfig":
+        return cls(args.backend, args.dtype if args.backend == TORCH else None, not getattr(args, "inexact", False))
+
+    def apply(self, args: argparse.Namespace) -> argparse.Namespace:
+        """A copy of the options that loads this configuration."""
+        return argparse.Namespace(**{**vars(args), "backend": self.backend, "dtype": self.dtype or args.dtype,
+                                     "inexact": not self.exact})
+
+
+def installed_configs() -> list[BackendConfig]:
+    """Every configuration whose libraries are importable (looked up, not imported: no torch here)."""
+    configs = []
+    if find_spec("llama_cpp"):
+        configs += [BackendConfig(LLAMA_CPP), BackendConfig(LLAMA_CPP, exact=False)]
+    if find_spec("torch") and find_spec("transformers"):
+        configs += [BackendConfig(TORCH, dtype, exact) for dtype in TORCH_DTYPES for exact in (True, False)]
+    return configs
+
+
+def parse_configs(text: str) -> list[BackendConfig]:
+    """--configs: comma-separated labels, or `all`."""
+    if text.strip() == "all":
+        configs = installed_configs()
+        if not configs:
+            raise SpecdecError("neither llama-cpp-python nor torch + transformers is installed.")
+        return configs
+    configs = [BackendConfig.parse(part) for part in text.split(",") if part.strip()]
+    if not configs:
+        raise SpecdecError("--configs names no configuration; e.g. llama.cpp,torch:bfloat16 or all.")
+    return list(dict.fromkeys(configs))
+
+
+# -- measuring and choosing -------------------------------------------------------------------
+def profile_entry(config: BackendConfig, cost: CostModel, target: Optional[dict] = None) -> dict:
+    """One configuration's measurements and what they promise, at the assumed acceptance and at 1."""
+    max_draft = max(1, max(cost.target_seconds) - 1)  # the longest proposal whose verification was measured
+    expected = best_speculative_rate(cost, ASSUMED_ACCEPTANCE, max_draft)
+    return {
+        "config": config.label, "backend": config.backend, "dtype": config.dtype, "exact": config.exact,
+        **cost.as_dict(),
+        "expected": expected,
+        "upper_bound": best_speculative_rate(cost, 1.0, max_draft),
+        "end_to_end_tokens_per_second": expected["end_to_end_tokens_per_second"],
+        "target": target,
+    }
+
+
+def measure_config(args: argparse.Namespace, config: BackendConfig, load_engine: Callable) -> dict:
+    """Load one configuration, calibrate it and close it, so that only one is in memory at a time.
+    A configuration that cannot load is reported as such, not fatal to the others."""
+    try:
+        engine = load_engine(config.apply(args))
+    except SpecdecError as exc:
+        return {"config": config.label, "backend": config.backend, "dtype": config.dtype, "exact": config.exact,
+                "error": str(exc)}
+    try:
+        return profile_entry(config, engine.calibrate(), engine.target.describe())
+    finally:
+        engine.close()
+
+
+def choose(entries: list[dict]) -> Optional[str]:
+    """The exact configuration with the highest expected end-to-end tokens/s (plain or speculative);
+    None when no exact one was measured. Inexact ones are never chosen: they are the lossy opt-in."""
+    exact = [entry for entry in entries if entry["exact"] and "error" not in entry]
+    if not exact:
+        return None
+    return max(exact, key=lambda entry: entry["end_to_end_tokens_per_second"])["config"]
+
+
+def format_table(entries: list[dict], chosen: Optional[str]) -> str:
+    a = ASSUMED_ACCEPTANCE
+    header = ["config", "exact", "t(1) ms", "v(2)", "v(4)", "v(8)", "v(16)", "draft ratio", "plain tok/s",
+              f"best spec. tok/s @a={a}", f"draft model tok/s @a={a}", "bound tok/s @a=1", "chosen"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for entry in entries:
+        if "error" in entry:
+            cells = [entry["config"], str(entry["exact"]).lower(), f"failed: {entry['error']}"]
+            cells += [""] * (len(header) - len(cells))
+        else:
+            v = {int(n): value for n, value in entry["v"].items()}
+            expected, bound = entry["expected"], entry["upper_bound"]
+            ratio = entry["draft_cost_ratio"]
+            draft = expected["draft"]
+            cells = [
+                entry["config"], str(entry["exact"]).lower(), f"{entry['target_step_seconds'] * 1e3:.1f}",
+                *(f"{v[n]:.2f}" if n in v else "—" for n in (2, 4, 8, 16)),
+                "—" if ratio is None else f"{ratio:.2f}",
+                f"{expected['plain_tokens_per_second']:.2f}",
+                _rate_cell(expected["best"]),
+                "—" if draft is None else _rate_cell(draft),
+                _rate_cell(bound["best"]),
+                "yes" if entry["config"] == chosen else "",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    if chosen:
+        lines.append(f"default: {chosen} (the exact configuration with the highest expected end-to-end tok/s, "
+                     f"plain or speculative at acceptance {a})")
+    else:
+        lines.append(f"default: {LLAMA_CPP} (no exact configuration was measured)")
+    return "\n".join(lines)
+
+
+def _rate_cell(option: dict) -> str:
+    """e.g. "23.06 (ngram k=2)"; a single drafter's option has no drafter to name."""
+    drafter = f"{option['drafter']} " if "drafter" in option else ""
+    return f"{option['tokens_per_second']:.2f} ({drafter}k={option['length']})"
+
+
+# -- the per-machine profile ------------------------------------------------------------------
+def profile_path() -> Path:
+    return specdec_home() / PROFILE_FILE
+
+
+def cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_fingerprint() -> dict:
+    """What the measurements hold for: the CPU, the cores this process may use, and specdec's
+    version (its kernels and exactness rules may change the costs)."""
+    return {"cpu": cpu_model_name(), "cores": default_threads(), "specdec": __version__}
+
+
+def save_profile(entries: list[dict], chosen: Optional[str], path: Optional[Path] = None) -> Path:
+    path = path or profile_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile = {
+        "fingerprint": machine_fingerprint(),
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "assumed_acceptance": ASSUMED_ACCEPTANCE,
+        "chosen": chosen,
+        "configs": entries,
+    }
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(profile, indent=2) + "\n", encoding="utf-8")
+    partial.replace(path)  # a reader never sees half a profile
+    return path
+
+
+def saved_choice(path: Optional[Path] = None) -> Optional[BackendConfig]:
+    """The configuration the profile chose, if it was measured on this machine with this version."""
+    path = path or profile_path()
+    try:
+        profile = json.loads(path.read_text(encoding="utf-8"))
+        chosen = profile.get("chosen")
+        fingerprint = profile.get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if fingerprint != machine_fingerprint():
+        print(f"specdec: {path} was measured on another machine or specdec version; using {LLAMA_CPP} "
+              "(run `specdec calibrate --configs all --save` to measure this one)", file=sys.stderr)
+        return None
+    try:
+        return BackendConfig.parse(chosen) if chosen else None
+    except SpecdecError:
+        return None

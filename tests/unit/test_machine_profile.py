@@ -1,0 +1,201 @@
+"""Choosing the backend configuration per machine: the expected speculative rate on hand-computed
+costs, the chooser (the fastest exact configuration, never an inexact one), `specdec calibrate
+--configs ... --save` on fake backends with known forward costs, and commands without --backend
+resolving to the saved choice only on the machine it was measured on."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fakes.clock import FakeClock
+from specdec import machine_profile, runtime
+from specdec.backends.fake import FakeBackend
+from specdec.cli import build_parser, main
+from specdec.engine.cost_model import CostModel
+from specdec.engine.engine import Engine
+from specdec.machine_profile import (BackendConfig, best_speculative_rate, choose, parse_configs, profile_entry,
+                                     profile_path, save_profile, saved_choice)
+from specdec.types import SpecdecError
+
+
+@pytest.fixture(autouse=True)
+def specdec_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_best_speculative_rate_on_hand_computed_costs():
+    cost = CostModel({1: 0.10, 2: 0.12, 3: 0.16, 4: 0.24}, draft_step_seconds=0.01)
+    rate = best_speculative_rate(cost, acceptance=0.5, max_draft=3)
+    # E(1) = 1.5, E(2) = 1.75, E(3) = 1.875 tokens; plain 1 / 0.1 = 10 tok/s.
+    # n-gram: 1.5 / 0.12 = 12.5, 1.75 / 0.16 = 10.94, 1.875 / 0.24 = 7.81 -> one token.
+    # draft: 1.5 / 0.13 = 11.54, 1.75 / 0.18 = 9.72, 1.875 / 0.27 = 6.94 -> one token.
+    assert rate["plain_tokens_per_second"] == pytest.approx(10.0)
+    assert rate["ngram"] == {"length": 1, "tokens_per_second": pytest.approx(12.5)}
+    assert rate["draft"] == {"length": 1, "tokens_per_second": pytest.approx(1.5 / 0.13)}
+    assert rate["best"] == {"drafter": "ngram", "length": 1, "tokens_per_second": pytest.approx(12.5)}
+    assert rate["speedup"] == pytest.approx(1.25) and rate["end_to_end_tokens_per_second"] == pytest.approx(12.5)
+    # Always accepted: E(j) = j + 1. n-gram 2 / 0.12, 3 / 0.16 = 18.75, 4 / 0.24; draft 3 / 0.18 = 16.67.
+    bound = best_speculative_rate(cost, acceptance=1.0, max_draft=3)
+    assert bound["best"] == {"drafter": "ngram", "length": 2, "tokens_per_second": pytest.approx(18.75)}
+    assert bound["draft"] == {"length": 2, "tokens_per_second": pytest.approx(3 / 0.18)}
+
+
+def test_best_speculative_rate_when_verification_is_linear_and_without_a_draft_model():
+    cost = CostModel({n: 0.1 * n for n in range(1, 5)}, draft_step_seconds=None)
+    rate = best_speculative_rate(cost, acceptance=0.6, max_draft=3)
+    assert rate["draft"] is None
+    assert rate["best"] == {"drafter": "ngram", "length": 1, "tokens_per_second": pytest.approx(1.6 / 0.2)}
+    assert rate["end_to_end_tokens_per_second"] == pytest.approx(10.0)  # plain decoding wins
+    with pytest.raises(ValueError):
+        best_speculative_rate(cost, 0.6, max_draft=0)
+
+
+def test_configuration_labels_parse_and_round_trip(monkeypatch):
+    for label in ("llama.cpp", "llama.cpp:inexact", "torch:bfloat16", "torch:float32:inexact"):
+        assert BackendConfig.parse(label).label == label
+    assert BackendConfig.parse("torch") == BackendConfig("torch", "bfloat16", True)
+    assert BackendConfig.parse("torch:inexact") == BackendConfig("torch", "bfloat16", False)
+    for bad in ("vllm", "torch:float16", "llama.cpp:float32"):
+        with pytest.raises(SpecdecError):
+            BackendConfig.parse(bad)
+    assert parse_configs("llama.cpp, torch:float32,llama.cpp") == [BackendConfig("llama.cpp"),
+                                                                   BackendConfig("torch", "float32")]
+    monkeypatch.setattr(machine_profile, "find_spec", lambda name: name == "llama_cpp")
+    assert [c.label for c in parse_configs("all")] == ["llama.cpp", "llama.cpp:inexact"]
+
+
+def entry(label, step, per_token, draft_step=0.005):
+    """A configuration whose target forward over n tokens costs step + per_token * n."""
+    cost = CostModel({n: step + per_token * n for n in range(1, 17)}, draft_step)
+    return profile_entry(BackendConfig.parse(label), cost)
+
+
+def test_the_chooser_takes_the_fastest_exact_configuration_and_never_an_inexact_one():
+    linear = entry("llama.cpp", 0.005, 0.045)  # plain 20 tok/s, speculation slower
+    flat_but_lossy = entry("llama.cpp:inexact", 0.045, 0.005)  # the fastest of all
+    slower_step_cheap_verify = entry("torch:float32", 0.040, 0.015)  # plain 18.2, n-gram k=2 23.1 tok/s
+    assert linear["end_to_end_tokens_per_second"] == pytest.approx(20.0)
+    assert slower_step_cheap_verify["end_to_end_tokens_per_second"] == pytest.approx(1.96 / 0.085)
+    assert flat_but_lossy["end_to_end_tokens_per_second"] > slower_step_cheap_verify["end_to_end_tokens_per_second"]
+    assert choose([linear, flat_but_lossy, slower_step_cheap_verify]) == "torch:float32"
+    assert choose([linear, flat_but_lossy]) == "llama.cpp"
+    assert choose([flat_but_lossy]) is None
+    failed = {"config": "torch:bfloat16", "exact": True, "error": "torch is not installed"}
+    assert choose([failed, linear]) == "llama.cpp"
+
+
+# Per configuration: the target's (step, per-token) cost; the draft model's step costs 5 ms everywhere.
+FAKE_COSTS = {"llama.cpp": (0.005, 0.045), "llama.cpp:inexact": (0.045, 0.005), "torch:float32": (0.040, 0.015)}
+
+
+@pytest.fixture
+def fake_engines(monkeypatch):
+    """runtime.load_engine on fake backends whose forwards cost FAKE_COSTS on a fake clock;
+    records the configurations loaded and how many engines were open at once."""
+    loaded, open_now, most_open = [], [0], [0]
+
+    def load_engine(args, n_slots=1):
+        label = BackendConfig.from_args(args).label
+        if label not in FAKE_COSTS:
+            raise SpecdecError(f"{label} is not installed here")
+        clock = FakeClock()
+        step, per_token = FAKE_COSTS[label]
+        engine = Engine(FakeBackend(seed=7, clock=clock, step_cost=step, token_cost=per_token),
+                        FakeBackend(seed=7, noise=0.5, clock=clock, step_cost=0.004, token_cost=0.001), clock=clock)
+        close = engine.close
+
+        def closing():
+            open_now[0] -= 1
+            close()
+
+        engine.close = closing
+        loaded.append(label)
+        open_now[0] += 1
+        most_open[0] = max(most_open[0], open_now[0])
+        return engine
+
+    monkeypatch.setattr(runtime, "load_engine", load_engine)
+    return loaded, most_open
+
+
+def test_calibrate_measures_each_configuration_in_turn_prints_a_table_and_saves_the_choice(fake_engines, capsys):
+    loaded, most_open = fake_engines
+    configs = "llama.cpp,llama.cpp:inexact,torch:float32,torch:bfloat16"
+    assert main(["calibrate", "--configs", configs, "--save"]) == 0
+    assert loaded == ["llama.cpp", "llama.cpp:inexact", "torch:float32"] and most_open[0] == 1
+    out = capsys.readouterr().out
+    entries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [e["config"] for e in entries] == configs.split(",")
+    llama = entries[0]
+    assert llama["exact"] is True and llama["target_step_seconds"] == pytest.approx(0.050)
+    assert llama["v"]["16"] == pytest.approx((0.005 + 0.045 * 16) / 0.050)
+    assert llama["draft_cost_ratio"] == pytest.approx(0.005 / 0.050)
+    assert entries[1]["exact"] is False and "torch is not installed" not in out
+    assert entries[3]["error"] == "torch:bfloat16 is not installed here"
+
+    table = out[out.index("| config"):].splitlines()
+    rows = {line.split(" | ")[0].strip("| "): line for line in table if line.startswith("| ") and "config" not in line}
+    assert rows["torch:float32"].rstrip().endswith("| yes |")
+    assert "23.06 (ngram k=2)" in rows["torch:float32"]
+    assert "| 20.00 |" in rows["llama.cpp"] and not rows["llama.cpp:inexact"].rstrip().endswith("yes |")
+    assert "failed: torch:bfloat16 is not installed here" in rows["torch:bfloat16"]
+    assert table[-1].startswith("default: torch:float32")
+
+    profile = json.loads(profile_path().read_text())
+    assert profile["chosen"] == "torch:float32"
+    assert set(profile["fingerprint"]) == {"cpu", "cores", "specdec"}
+    assert [e["config"] for e in profile["configs"]] == configs.split(",")
+
+
+def test_calibrate_without_configs_measures_the_named_one_and_fails_in_one_line_if_it_cannot(fake_engines, capsys):
+    loaded, _ = fake_engines
+    assert main(["calibrate", "--backend", "llama.cpp", "--inexact"]) == 0
+    assert loaded == ["llama.cpp:inexact"]
+    assert "default: llama.cpp (no exact configuration was measured)" in capsys.readouterr().out
+    assert not profile_path().exists()  # no --save
+    assert main(["calibrate", "--backend", "torch"]) == 2
+    assert "torch:bfloat16 is not installed here" in capsys.readouterr().err
+
+
+def loaded_backend(monkeypatch, argv):
+    """The (backend, dtype, inexact) that `specdec generate ARGV` would load its models with."""
+    seen = []
+
+    def load_backend(args, path, n_slots=1):
+        seen.append((args.backend, args.dtype, args.inexact))
+        return FakeBackend(seed=7)
+
+    monkeypatch.setattr(runtime, "load_backend", load_backend)
+    args = build_parser().parse_args(["generate", "x", "--model", "t.gguf", "--draft-model", "d.gguf", *argv])
+    runtime.load_engine(args).close()
+    assert len(set(seen)) == 1
+    return seen[0]
+
+
+def test_a_command_without_backend_uses_the_choice_saved_on_this_machine(monkeypatch, capsys):
+    assert loaded_backend(monkeypatch, []) == ("llama.cpp", "bfloat16", False)  # no profile yet
+    entries = [entry(label, *FAKE_COSTS[label]) for label in ("llama.cpp", "torch:float32")]
+    save_profile(entries, choose(entries))
+    assert saved_choice() == BackendConfig("torch", "float32")
+    assert loaded_backend(monkeypatch, []) == ("torch", "float32", False)
+    assert loaded_backend(monkeypatch, ["--inexact"]) == ("torch", "float32", True)  # exactness stays the user's
+    assert loaded_backend(monkeypatch, ["--backend", "llama.cpp"])[0] == "llama.cpp"  # explicit wins
+
+    profile = json.loads(profile_path().read_text())
+    profile["fingerprint"]["cpu"] = "another CPU"
+    profile_path().write_text(json.dumps(profile))
+    capsys.readouterr()
+    assert loaded_backend(monkeypatch, []) == ("llama.cpp", "bfloat16", False)
+    assert "another machine" in capsys.readouterr().err
+    profile_path().write_text("{not json")
+    assert loaded_backend(monkeypatch, [])[0] == "llama.cpp"
+
+
+def test_resolving_the_default_backend_does_not_import_torch(specdec_home):
+    code = ("import argparse, sys; from specdec.runtime import resolve_backend; "
+            "args = argparse.Namespace(backend=None, dtype='bfloat16'); resolve_backend(args); "
+            "assert args.backend == 'llama.cpp'; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
