@@ -80,3 +80,35 @@ def test_cli_generate_json(tmp_path):
     assert set(payload) >= {"text", "token_ids", "stats"}
     assert len(payload["token_ids"]) == payload["stats"]["generated_tokens"] <= 8
     assert payload["stats"]["method"] == "ngram"
+
+
+def test_prefix_reuse_gives_the_logits_of_processing_from_scratch(real_engine):
+    """A prompt whose slot held another prompt sharing a prefix with it gets, bit for bit, the
+    next-token logits of processing it from scratch: llama.cpp's results for a prompt position
+    depend on the batch it was computed in, so prompts are processed in aligned chunks and only
+    whole chunks are reused (engine/sequence.py)."""
+    prompt = next(p for c, p in EQUALITY_PROMPTS if c == "summarization")
+    ids = real_engine.encode_prompt(prompt, chat=True)
+    detour = real_engine.target.tokenize(" Something else entirely, then more words.", add_special=False)
+    seq = real_engine.target_sequence
+    alignment = seq.alignment
+    assert alignment > 1
+
+    def next_token_logits(held=None):
+        seq.clear()
+        if held is not None:
+            seq.prefill(held)
+            seq.extend(detour[:3])  # and a few decode steps past it, as a finished request leaves
+        reused = seq.prefill(ids[:-1])
+        logits = seq.extend(ids[-1:])[-1].copy()
+        seq.clear()
+        return logits, reused
+
+    scratch, _ = next_token_logits()
+    for shared in (37, 130, 301):
+        logits, reused = next_token_logits(ids[:shared] + detour)
+        assert reused == shared // alignment * alignment
+        assert np.array_equal(logits, scratch), f"shared prefix {shared}: up to {np.abs(logits - scratch).max()}"
+    logits, reused = next_token_logits(ids[:-1])  # the very same prompt before: all of it reused
+    assert reused == len(ids) - 1
+    assert np.array_equal(logits, scratch)

@@ -22,6 +22,10 @@ class Backend(ABC):
     n_ctx: int
     eog_token_ids: frozenset[int]
     max_sequences: int = 1
+    # > 1: prompt processing runs in chunks that start and end at multiples of this (see
+    # aligned_chunks), because this backend's numbers for a position depend on the batch it was
+    # computed in; prefix caching then reuses only whole chunks (engine/sequence.py).
+    prefill_alignment: int = 1
 
     @abstractmethod
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
@@ -71,6 +75,24 @@ class Backend(ABC):
 
     def close(self) -> None:
         pass
+
+
+def aligned_chunks(start: int, count: int, alignment: int) -> list[tuple[int, int]]:
+    """(offset, length) of the chunks that evaluate positions start..start+count-1 when every chunk
+    must end at a multiple of `alignment` (the last may end anywhere).
+
+    Every position is then computed in the same chunk, of the same rows, whatever prefix of the
+    prompt was already cached — as long as the cached prefix is a whole number of chunks.
+    Example: start 128, count 150, alignment 64 -> [(0, 64), (64, 64), (128, 22)].
+    """
+    if alignment <= 1:
+        return [(0, count)] if count else []
+    ends = [*range((start // alignment + 1) * alignment, start + count, alignment), start + count]
+    chunks, position = [], start
+    for end in ends:
+        chunks.append((position - start, end - position))
+        position = end
+    return [chunk for chunk in chunks if chunk[1] > 0]
 
 
 def check_draft_compatible(target: Backend, draft: Backend) -> None:

@@ -10,7 +10,12 @@ the logits of k one-token steps (measured in docs/exactness.md):
   verifications that follow share its cache;
 - flash attention on, forced onto its reference path (GGML_CPU_FA_REFERENCE, a one-line switch
   that scripts/patch_llama_cpp.sh adds to ggml): otherwise a one-token step over a cache of 512+
-  cells splits the KV across threads and merges partial softmaxes in another order.
+  cells splits the KV across threads and merges partial softmaxes in another order;
+- prompt processing in chunks aligned to multiples of 64 positions, one sequence per call: a
+  prompt's cache depends on where its processing was split (measured: logits up to 0.43 apart
+  after the same 39 prompt tokens processed at once or split at 37), so with prefix caching a
+  request's output would depend on what its slot held before. Aligned chunks, and reuse of whole
+  chunks only (engine/sequence.py), compute every prompt position the same way every time.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from specdec.backends.base import Backend
+from specdec.backends.base import Backend, aligned_chunks
 from specdec.types import SpecdecError
 
 FA_REFERENCE_ENV = "GGML_CPU_FA_REFERENCE"  # read by the patched kernel at every call
 EXACT_MAX_DECODE_ROWS = 3  # the repacked Q4_K kernels switch to a 4-row gemm at 4 rows
+EXACT_PREFILL_ALIGNMENT = 64  # prompt chunks (and reusable cached prefixes) are multiples of this
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -128,6 +134,7 @@ class LlamaCppBackend(Backend):
         self.eog_token_ids = frozenset(t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(self._vocab, t))
         self._batch_capacity = max(n_batch, 64)
         self._decode_rows = EXACT_MAX_DECODE_ROWS if exact else self._batch_capacity
+        self.prefill_alignment = EXACT_PREFILL_ALIGNMENT if exact else 1
         self._batch = lib.llama_batch_init(self._batch_capacity, 0, max(1, max_sequences))
         self._pieces: dict[int, bytes] = {}
         self._chat_template = self.metadata("tokenizer.chat_template")
@@ -192,11 +199,9 @@ class LlamaCppBackend(Backend):
             raise SpecdecError(f"the sequence would exceed the context of {self.n_ctx} tokens.")
         outputs: list[list[np.ndarray]] = [[] for _ in requests]
         lib = self._lib
-        rows_per_decode = self._batch_capacity if prefill else self._decode_rows
         with self._lock, _decode_lock:
             _set_fa_reference(self.exact)
-            for chunk_start in range(0, len(flat), rows_per_decode):
-                chunk = flat[chunk_start:chunk_start + rows_per_decode]
+            for chunk in self._pieces_of(requests, flat, prefill):
                 batch = self._batch
                 for i, (seq_id, pos, token, _) in enumerate(chunk):
                     batch.token[i] = token
@@ -215,6 +220,22 @@ class LlamaCppBackend(Backend):
                     outputs[index].append(np.ctypeslib.as_array(row, shape=(self.vocab_size,)).copy())
         empty = np.zeros((0, self.vocab_size), dtype=np.float32)
         return [np.stack(rows) if rows else empty for rows in outputs]
+
+    def _pieces_of(self, requests, flat, prefill: bool) -> list[list]:
+        """The rows of each llama_decode call. Exact prompt processing goes in aligned chunks of
+        one sequence (a prompt position's logits change with the batch it was computed in: a
+        prompt split at another point gave logits up to 0.43 apart), exact decoding in pieces of
+        at most 3 rows; otherwise as many rows as a batch holds."""
+        if prefill and self.exact:
+            pieces, first = [], 0
+            for seq_id, start, tokens in requests:
+                rows = flat[first:first + len(tokens)]
+                first += len(tokens)
+                pieces += [rows[offset:offset + length] for offset, length in
+                           aligned_chunks(start, len(tokens), self.prefill_alignment)]
+            return pieces
+        size = self._batch_capacity if prefill else self._decode_rows
+        return [flat[i:i + size] for i in range(0, len(flat), size)]
 
     def truncate(self, seq_id: int, length: int) -> None:
         with self._lock:

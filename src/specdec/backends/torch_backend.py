@@ -19,8 +19,10 @@ machine's AVX-512/BF16 CPU, batches of 2, 3, 4, 5, 8 and 16 rows after caches of
 So no batch of more than one row is bit-exact at real sizes, and exact mode evaluates
 decode-time tokens one row per forward (EXACT_MAX_DECODE_ROWS). Verifying k drafted tokens then
 costs k + 1 forwards: exact speculation on this backend shows equality but cannot save target
-time. `exact=False` batches them (faster, lossy). Prompt processing keeps full batches, since the
-one-token steps and the verifications that follow share its cache.
+time. `exact=False` batches them (faster, lossy). Prompt processing keeps large batches, since the
+one-token steps and the verifications that follow share its cache — in chunks aligned to multiples
+of 64 positions, so that prefix caching reuses only positions computed exactly as a fresh prompt
+would compute them.
 """
 from __future__ import annotations
 
@@ -30,13 +32,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from specdec.backends.base import Backend
+from specdec.backends.base import Backend, aligned_chunks
 from specdec.backends.llama_cpp import check_gguf_file, default_threads
 from specdec.types import SpecdecError
 
 DTYPES = ("bfloat16", "float32")
 DEFAULT_DTYPE = "bfloat16"
 EXACT_MAX_DECODE_ROWS = 1  # see the module docstring: no larger batch is bit-exact at real sizes
+EXACT_PREFILL_ALIGNMENT = 64  # as on llama.cpp: a prompt position's numbers depend on its batch
 
 
 def import_torch():
@@ -145,6 +148,8 @@ class TorchBackend(Backend):
         self.eog_token_ids = eos_token_ids(self.model, self.tokenizer)
         self._pieces, self._fingerprint_pieces = token_pieces(self.tokenizer, self.vocab_size)
         self._decode_rows = EXACT_MAX_DECODE_ROWS if exact else None  # None: the whole evaluation at once
+        # Exact prefix caching: prompts in aligned chunks, whole chunks reused (engine/sequence.py).
+        self.prefill_alignment = EXACT_PREFILL_ALIGNMENT if exact else 1
         self._caches: dict[int, object] = {}  # seq_id -> DynamicCache, made on first use
         self._lock = threading.Lock()  # one forward or crop at a time
 
@@ -186,8 +191,10 @@ class TorchBackend(Backend):
             if cache is None:
                 cache = self._caches[seq_id] = self._dynamic_cache(config=self.model.config)
             ids = torch.tensor([list(tokens)], dtype=torch.long)
-            if prefill:  # one batch; only the last row's logits are computed, none returned
-                self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            if prefill:  # only each chunk's last row of logits is computed, none returned
+                for offset, length in aligned_chunks(start, len(tokens), self.prefill_alignment):
+                    self.model(input_ids=ids[:, offset:offset + length], past_key_values=cache, use_cache=True,
+                               logits_to_keep=1)
                 return empty
             rows = self._decode_rows or len(tokens)
             logits = [self.model(input_ids=ids[:, i:i + rows], past_key_values=cache, use_cache=True).logits[0]

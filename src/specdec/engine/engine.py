@@ -69,7 +69,8 @@ class Engine:
         if self.draft is not None:
             draft_sequence = CachedSequence(self.draft, seq_id)
             drafters["draft"] = ModelDrafter(draft_sequence)
-        return Slot(CachedSequence(self.target, seq_id), draft_sequence, drafters)
+        # The target's prefix reuse must be exact; the draft's only has to be fast.
+        return Slot(CachedSequence(self.target, seq_id, aligned_reuse=True), draft_sequence, drafters)
 
     @property
     def methods(self) -> list[str]:

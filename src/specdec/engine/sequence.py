@@ -1,6 +1,12 @@
 """One sequence's KV cache on one backend, tracked as the list of tokens it holds.
 
 Rollback is a length: truncate(n) drops positions n.. from the backend and from the list.
+
+Prefix caching is exact only if a reused position holds what processing the new prompt from
+scratch would have put there. On a backend whose numbers depend on the batch a position was
+computed in (`prefill_alignment` > 1, e.g. llama.cpp in exact mode), a sequence made with
+`aligned_reuse` therefore reuses only whole prompt chunks: positions that prompt processing
+computed in full aligned chunks, never positions a decode step or a partial last chunk computed.
 """
 from __future__ import annotations
 
@@ -12,10 +18,15 @@ from specdec.backends.base import Backend
 
 
 class CachedSequence:
-    def __init__(self, backend: Backend, seq_id: int = 0):
+    def __init__(self, backend: Backend, seq_id: int = 0, aligned_reuse: bool = False):
         self.backend = backend
         self.seq_id = seq_id
         self.tokens: list[int] = []
+        self.alignment = backend.prefill_alignment if aligned_reuse else 1
+        # alignment > 1 only: the whole chunks that prompt processing computed, and where it ended
+        # (its partial last chunk serves only a prompt of exactly that length)
+        self._whole_chunks_end = 0
+        self._prefill_end = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -24,14 +35,26 @@ class CachedSequence:
         if length < len(self.tokens):
             self.backend.truncate(self.seq_id, length)
             del self.tokens[length:]
+        self._whole_chunks_end = min(self._whole_chunks_end, length)
+        if length < self._prefill_end:
+            self._prefill_end = 0
 
-    def reuse_prefix(self, tokens: Sequence[int]) -> int:
-        """Keep the longest cached prefix of `tokens` (prefix caching); returns its length."""
+    def reusable_prefix(self, tokens: Sequence[int]) -> int:
+        """How much of `tokens` the cache can serve: the common prefix, cut to whole chunks."""
         common = 0
         for cached, wanted in zip(self.tokens, tokens):
             if cached != wanted:
                 break
             common += 1
+        if self.alignment > 1:
+            if common >= len(tokens) == self._prefill_end:
+                return common  # the same prompt processed the same way: all of it is reusable
+            common = min(common, self._whole_chunks_end) // self.alignment * self.alignment
+        return common
+
+    def reuse_prefix(self, tokens: Sequence[int]) -> int:
+        """Keep the reusable cached prefix of `tokens` (prefix caching); returns its length."""
+        common = self.reusable_prefix(tokens)
         self.truncate(common)
         return common
 
@@ -43,6 +66,10 @@ class CachedSequence:
         if rest:
             self.backend.eval(self.seq_id, common, rest, prefill=True)
             self.tokens.extend(rest)
+        if self.alignment > 1 and rest:
+            # Processing started on a chunk boundary, so every full chunk up to here is canonical.
+            self._whole_chunks_end = len(tokens) // self.alignment * self.alignment
+            self._prefill_end = len(tokens)
         return common
 
     def extend(self, tokens: Sequence[int]) -> np.ndarray:
@@ -59,3 +86,4 @@ class CachedSequence:
         """Empty the cache, also of positions that another holder of this seq_id left behind."""
         self.backend.truncate(self.seq_id, 0)
         self.tokens.clear()
+        self._whole_chunks_end = self._prefill_end = 0

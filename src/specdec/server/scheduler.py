@@ -100,15 +100,6 @@ class _Running:
     first_token_at: Optional[float] = None
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Scheduler:
     def __init__(self, engine: Engine, config: ServerConfig, metrics=None, clock: Callable[[], float] = time.monotonic):
         self.engine = engine
@@ -216,7 +207,7 @@ class Scheduler:
             ticket = self._waiting.popleft()
             prompt = ticket.request.prompt_token_ids[:-1]
             free = [i for i in range(len(self.engine.slots)) if i not in self._running]
-            slot = max(free, key=lambda i: (common_prefix_length(self.engine.slots[i].target.tokens, prompt),
+            slot = max(free, key=lambda i: (self.engine.slots[i].target.reusable_prefix(prompt),
                                             -self._last_used[i]))
             run = self._running[slot] = _Running(ticket, slot)
             admitted.append(run)
@@ -274,6 +265,9 @@ class Scheduler:
         slot = self.engine.slots[run.slot]
         done = len(slot.target.tokens)
         end = min(len(prefix), done + budget)
+        alignment = slot.target.alignment
+        if end < len(prefix) and alignment > 1:
+            end = max(done, end // alignment * alignment)  # chunks are processed whole (sequence.py)
         if end > done:
             slot.target.prefill(prefix[:end])
         if run.ticket.request.spec.method == "draft" and slot.draft is not None:
