@@ -219,3 +219,44 @@ def test_hybrid_proposals_keep_the_target_distribution_when_sampling():
     # The L1 distance a sample of this size from p_first itself would show, on average.
     noise = np.sqrt(2 * p_first * (1 - p_first) / (np.pi * trials)).sum()
     assert np.abs(empirical - p_first).sum() < 1.5 * noise
+
+
+def test_a_slower_step_rescales_the_whole_cost_curve():
+    # Long contexts make every forward dearer; observed one-token steps must not make the rarely
+    # observed multi-token forwards look relatively cheaper (v(n) would drift low).
+    cost = CostModel({1: 0.05, 2: 0.095, 4: 0.18}, draft_step_seconds=0.03, draft_prefill_seconds=0.01)
+    for _ in range(30):
+        cost.observe_target(1, 0.10)
+    assert cost.target(1) == pytest.approx(0.10, rel=0.05)
+    assert cost.relative(2) == pytest.approx(1.9) and cost.relative(4) == pytest.approx(3.6)
+    assert cost.draft_step_seconds / cost.target(1) == pytest.approx(0.6)
+    assert cost.draft_prefill_seconds / cost.target(1) == pytest.approx(0.2)
+
+
+class LaggingDraftSequence:
+    """A draft cache holding only the first `held` tokens of any context."""
+
+    def __init__(self, held):
+        self.held = held
+
+    def reusable_prefix(self, tokens):
+        return min(self.held, len(tokens))
+
+
+def test_the_draft_models_catch_up_is_priced():
+    # Flat verification and a good draft: worth drafting when its cache is in step, but not when
+    # it would first have to process a long prompt at 10 ms a token.
+    context = list(range(1000))
+    for held, expect_draft in ((999, True), (0, False)):
+        model = StubModelDrafter()
+        model.sequence = LaggingDraftSequence(held)
+        cost = CostModel({n: 0.050 * (1 + 0.02 * (n - 1)) for n in range(1, 9)}, 0.005, 0.010)
+        drafter = drafter_with(cost, ngram_rate=0.0, draft_rate=0.9, model=model)
+        proposal = drafter.propose(context, 4, GREEDY, None)
+        assert (proposal.source == "draft") is expect_draft
+    model = StubModelDrafter()
+    model.sequence = LaggingDraftSequence(0)
+    probing = drafter_with(flat_costs(), ngram_rate=0.0, draft_rate=0.01, model=model)
+    probing.first_probe_after = probing.probe_interval = 2
+    sources = {probing.propose(context, 4, GREEDY, None).source for _ in range(10)}
+    assert sources == {"off"}  # never a probe that would cost the whole prompt on the draft

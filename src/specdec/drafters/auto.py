@@ -136,6 +136,7 @@ class AutoDrafter(Drafter):
         self.confidence_accepted = 1.0
         self._last: Optional[Option] = None
         self._confidences: list[float] = []
+        self._context: Sequence[int] = ()
         # The draft model's cache is synced lazily, on its first proposal, so a request that never
         # uses it never pays for processing the prompt on it.
 
@@ -155,6 +156,7 @@ class AutoDrafter(Drafter):
         if not self.draft_could_pay(k):
             return options
         draft_step = self.cost.draft_step_seconds
+        catch_up = self._draft_catch_up_seconds()
         for kind, prefixes in (("draft", {"": []}), ("hybrid", source_rates)):
             model_rates = self.estimates[kind].rates(k)
             for prefix_source, prefix_rates in prefixes.items():
@@ -169,7 +171,7 @@ class AutoDrafter(Drafter):
                     for j, rate in enumerate(model_rates[:k - m], start=m + 1):
                         reach *= rate
                         tokens += reach
-                        seconds = target[j] + (j - m + (1 if m else 0)) * draft_step
+                        seconds = target[j] + (j - m + (1 if m else 0)) * draft_step + catch_up
                         options.append(Option(kind, j, tokens / seconds, prefix_source, m))
         return options
 
@@ -191,6 +193,7 @@ class AutoDrafter(Drafter):
 
     # -- rounds --------------------------------------------------------------------------------
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
+        self._context = context
         self._learn_from_shadows(context)
         offers = {"ngram": find_ngram_continuation(context, k, self.max_ngram)}
         if self.history is not None:
@@ -253,13 +256,24 @@ class AutoDrafter(Drafter):
         self.shadows = pending
 
     def _probe_due(self, k: int) -> bool:
-        if not self.draft_could_pay(k):
+        # A probe also pays for the draft model to catch up with the context: at most what a probe
+        # interval of plain steps costs, so probing never costs more than a bounded share.
+        if not self.draft_could_pay(k) or self._draft_catch_up_seconds() > self.first_probe_after * self.cost.target(1):
             return False
         self.rounds_since_probe += 1
         if self.rounds_since_probe < self.probe_interval:
             return False
         self.rounds_since_probe = 0
         return True
+
+    def _draft_catch_up_seconds(self) -> float:
+        """What the draft model needs before it can propose: processing the committed tokens its
+        cache lacks (all of the prompt, the first time), at its batched per-token cost."""
+        sequence = getattr(self.model_drafter, "sequence", None)
+        if sequence is None or not self._context:
+            return 0.0
+        lag = len(self._context) - 1 - sequence.reusable_prefix(self._context[:-1])
+        return lag * (self.cost.draft_prefill_seconds or self.cost.draft_step_seconds or 0.0)
 
     def _early_stop(self, option: Option):
         """keep_drafting(position, confidence) for the draft model: go on while the chance that

@@ -2,7 +2,10 @@
 
 Calibrated in a few seconds on a scratch prompt, then kept up to date online from the timings of
 real rounds (an exponential moving average per n), so the adaptive policy prices what it proposes
-with this machine's numbers rather than assumed ones.
+with this machine's numbers rather than assumed ones. One-token steps are observed every round,
+longer forwards rarely, so a change in t(1) (a longer context makes every forward dearer) rescales
+the whole curve, keeping v(n) = t(n)/t(1): otherwise v(n) would drift low as contexts grow and
+speculation would look cheaper than it is.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ CALIBRATION_TEXT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n
 class CostModel:
     target_seconds: dict[int, float]  # n -> seconds of one target forward over n tokens
     draft_step_seconds: Optional[float] = None  # one draft-model token, None without a draft model
+    draft_prefill_seconds: Optional[float] = None  # per token when the draft model catches up in a batch
     smoothing: float = 0.1  # weight of a new observation in the moving average
     observations: dict[int, int] = field(default_factory=dict)
 
@@ -39,7 +43,15 @@ class CostModel:
 
     def observe_target(self, n: int, seconds: float) -> None:
         old = self.target_seconds.get(n)
-        self.target_seconds[n] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        new = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        if n == 1 and old:
+            scale = new / old  # every forward, the draft's too, costs that much more (or less) now
+            self.target_seconds = {m: t * scale for m, t in self.target_seconds.items()}
+            if self.draft_step_seconds:
+                self.draft_step_seconds *= scale
+            if self.draft_prefill_seconds:
+                self.draft_prefill_seconds *= scale
+        self.target_seconds[n] = new
         self.observations[n] = self.observations.get(n, 0) + 1
 
     def summary(self) -> str:
@@ -86,10 +98,12 @@ def calibrate(
             spent = clock() - t0
             target_seconds[n] = min(spent, target_seconds.get(n, spent))
     target.clear()
-    draft_step = None
+    draft_step = draft_prefill = None
     if draft is not None:
         draft.clear()
+        t0 = clock()
         draft.prefill(prompt)
+        draft_prefill = (clock() - t0) / len(prompt)
         samples = []
         for token in probe:
             t0 = clock()
@@ -97,4 +111,4 @@ def calibrate(
             samples.append(clock() - t0)
         draft_step = min(samples)
         draft.clear()
-    return CostModel(target_seconds, draft_step)
+    return CostModel(target_seconds, draft_step, draft_prefill)
