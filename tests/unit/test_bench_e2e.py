@@ -124,6 +124,18 @@ def test_draft_model_is_loaded_only_when_a_draft_configuration_runs(tmp_path):
         run_bench(args, engine_factory=fake_engine)
 
 
+def test_auto_is_calibrated_before_the_first_timed_generation(tmp_path):
+    calibrated_at_generate = []
+    engine = fake_engine()
+
+    def note(request, n):
+        calibrated_at_generate.append(engine.cost_model is not None)
+
+    args = bench_args(tmp_path, "--methods", "off,auto", "--warmup", "0")
+    assert run_bench(args, engine_factory=lambda a: Wrapped(engine, on_generate=note)) == 0
+    assert calibrated_at_generate == [True] * 6  # off and auto on 3 prompts, none paying for calibration
+
+
 def test_failures_become_records_and_the_run_goes_on(tmp_path):
     def fail_ngram(request, n):
         if request.spec.method == "ngram":

@@ -169,6 +169,8 @@ class Runner:
         counts["skipped"] = counts["planned"] - len(todo)
         if not todo:
             return counts
+        if any(config.method == "auto" for config in self.configs) and self.engine.cost_model is None:
+            self.engine.calibrate()  # before any timed generation: `auto` would otherwise calibrate inside one
         self.warm_up(prompts)
         from tqdm import tqdm
 
