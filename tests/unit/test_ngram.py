@@ -24,3 +24,31 @@ def test_continuation_is_truncated_at_the_end_of_context():
 
 def test_min_ngram_respected():
     assert find_ngram_continuation([1, 2, 3, 9, 1, 2], k=1, max_ngram=3, min_ngram=3) == ()
+
+
+def test_the_incremental_index_answers_as_the_full_scan_while_the_context_grows():
+    import numpy as np
+
+    from specdec.drafters.ngram import NgramIndex
+
+    rng = np.random.default_rng(3)
+    for max_ngram, min_ngram in ((3, 1), (2, 1), (3, 2), (1, 1)):
+        index = NgramIndex(max_ngram, min_ngram)
+        context = [int(t) for t in rng.integers(0, 4, 3)]  # a small alphabet: many matches
+        for _ in range(120):
+            for k in (1, 3):
+                assert index.continuation(context, k) == find_ngram_continuation(context, k, max_ngram, min_ngram)
+            context.extend(int(t) for t in rng.integers(0, 4, int(rng.integers(1, 4))))  # 1-3 tokens a round
+
+
+def test_the_index_starts_afresh_for_another_or_rewritten_context():
+    from specdec.drafters.ngram import NgramIndex
+
+    index = NgramIndex(max_ngram=2)
+    first = [1, 2, 3, 9, 1, 2]
+    assert index.continuation(first, 2) == (3, 9)
+    other = [1, 2, 7, 1, 2]
+    assert index.continuation(other, 1) == (7,)
+    other[-1] = 5  # rewritten in place: its last token no longer matches what was indexed
+    other.append(2)
+    assert index.continuation(other, 1) == find_ngram_continuation(other, 1, 2)

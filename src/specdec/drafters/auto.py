@@ -35,7 +35,7 @@ import numpy as np
 from specdec.drafters.base import Drafter
 from specdec.drafters.history import NgramHistory
 from specdec.drafters.model import ModelDrafter
-from specdec.drafters.ngram import find_ngram_continuation
+from specdec.drafters.ngram import NgramIndex
 from specdec.engine.cost_model import CostModel
 from specdec.types import Proposal, SamplingParams
 
@@ -124,10 +124,12 @@ class AutoDrafter(Drafter):
         self.margin = margin
         self.first_probe_after = first_probe_after
         self.priors = {"ngram": ngram_prior, "cache": cache_prior, "draft": draft_prior, "hybrid": draft_prior}
+        self.ngram_index = NgramIndex(max_ngram)
         self.begin(())
 
     def begin(self, prompt, history: Optional[NgramHistory] = None) -> None:
         self.history = history
+        self.ngram_index.reset()
         self.estimates = {source: AcceptanceEstimate(prior) for source, prior in self.priors.items()}
         self.shadows: list[_Shadow] = []
         self.probe_interval = self.first_probe_after
@@ -195,7 +197,7 @@ class AutoDrafter(Drafter):
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
         self._context = context
         self._learn_from_shadows(context)
-        offers = {"ngram": find_ngram_continuation(context, k, self.max_ngram)}
+        offers = {"ngram": self.ngram_index.continuation(context, k)}
         if self.history is not None:
             offers["cache"] = self.history.lookup(context, k)
         offers = {source: tokens for source, tokens in offers.items() if tokens}
