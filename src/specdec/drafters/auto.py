@@ -120,7 +120,6 @@ class AutoDrafter(Drafter):
     ):
         self.cost = cost_model
         self.model_drafter = model_drafter
-        self.max_ngram = max_ngram
         self.margin = margin
         self.first_probe_after = first_probe_after
         self.priors = {"ngram": ngram_prior, "cache": cache_prior, "draft": draft_prior, "hybrid": draft_prior}
