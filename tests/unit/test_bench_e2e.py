@@ -183,3 +183,45 @@ def test_an_existing_run_is_not_overwritten_without_resume(tmp_path):
     with pytest.raises(SpecdecError, match="--resume"):
         run_bench(args, engine_factory=fake_engine)
     assert (tmp_path / "out" / "records.jsonl").read_text() == before
+
+
+def test_odd_repeats_run_off_last_and_are_still_compared_with_it(tmp_path):
+    def perturb(tokens):
+        tokens[3] = (tokens[3] + 1) % 100
+        return tokens
+
+    args = bench_args(tmp_path, "--methods", "off,ngram,draft", "--warmup", "0", "--repeats", "2")
+    engine = Wrapped(fake_engine(), perturb=perturb)
+    assert run_bench(args, engine_factory=lambda a: engine) == 0
+    assert engine.calls[:6] == ["off", "ngram", "draft", "draft", "ngram", "off"]
+    records = read_records(tmp_path)
+    assert len(records) == len(PROMPTS) * 2 * 3
+    orders = {(r["prompt_id"], r["repeat"], r["config"]): r["order"] for r in records}
+    assert [orders[("p1", 0, c)] for c in ("off", "ngram", "draft")] == [0, 1, 2]
+    assert [orders[("p1", 1, c)] for c in ("off", "ngram", "draft")] == [2, 1, 0]
+    # measured before off, compared once off was recorded: the perturbation is found in both repeats
+    for record in records:
+        if record["config"] != "off":
+            assert record["matches_off"] is False and record["first_diff_position"] == 3, record["repeat"]
+
+
+def test_resume_after_a_kill_before_off_measures_the_waiting_configurations_again(tmp_path):
+    class Killed(BaseException):  # like KeyboardInterrupt: not a failed generation, the process dies
+        pass
+
+    def die_at_the_fourth_generation(request, n):
+        if n == 4:
+            raise Killed()
+
+    args = bench_args(tmp_path, "--methods", "off,ngram", "--warmup", "0", "--repeats", "2")
+    with pytest.raises(Killed):
+        run_bench(args, engine_factory=lambda a: Wrapped(fake_engine(), on_generate=die_at_the_fourth_generation))
+    # p1: off, ngram (repeat 0), then ngram, off (repeat 1): ngram of repeat 1 waited for off and was lost
+    assert [(r["repeat"], r["config"]) for r in read_records(tmp_path)] == [(0, "off"), (0, "ngram")]
+    resumed = Wrapped(fake_engine())
+    run_bench(bench_args(tmp_path, "--methods", "off,ngram", "--warmup", "0", "--repeats", "2", "--resume"),
+              engine_factory=lambda a: resumed)
+    assert resumed.calls[:2] == ["ngram", "off"]
+    records = read_records(tmp_path)
+    assert len(records) == len(PROMPTS) * 2 * 2
+    assert all(r["matches_off"] is True for r in records if r["config"] == "ngram")

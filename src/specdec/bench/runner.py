@@ -1,11 +1,16 @@
-"""Measuring: every configuration on every prompt, interleaved per prompt, `off` first.
+"""Measuring: every configuration on every prompt, interleaved per prompt, the order alternating.
 
 Order: warm-up, then for each prompt, for each repeat, every configuration in turn, so slow
-drifts of the machine (heat, other load) hit all configurations alike. Before every measured
+drifts of the machine (heat, other load) hit all configurations alike. Even repeats run the
+configurations in the given order (`off` first), odd repeats in reverse (`off` last), so a
+systematic effect of going first or last cancels out over pairs of repeats; each record keeps its
+position (`order`). Before every measured
 generation the engine forgets all cross-request state (`reset_between_generations`), so no
 configuration reuses the cache or the text of another. A generation that fails becomes a record
 with success = false; the benchmark itself never raises on one.
 
+A greedy configuration measured before `off` waits in memory until `off` of its prompt and repeat
+is recorded, then is compared and written (a run killed in between measures it again on resume).
 After a greedy configuration's output differs from `off`'s for the same prompt and repeat, the
 runner re-evaluates the target at the first differing position, outside the timed region, and
 stores the target's logit margin there (top-1 minus top-2): a margin near zero means the two
@@ -129,6 +134,11 @@ def target_logit_margin(engine, prompt_ids: Sequence[int], off_tokens: Sequence[
     return float(top2[1] - top2[0]), int(np.argmax(logits))
 
 
+def measuring_order(configs: Sequence[BenchConfig], repeat: int) -> list[BenchConfig]:
+    """Given order on even repeats, reversed on odd ones (see the module's docstring)."""
+    return list(configs) if repeat % 2 == 0 else list(reversed(configs))
+
+
 def pending(prompts: Sequence[BenchPrompt], configs: Sequence[BenchConfig], repeats: int,
             records: RecordFile) -> list[tuple[BenchPrompt, int, BenchConfig]]:
     """The (prompt, repeat, configuration) not yet recorded, in measuring order."""
@@ -136,7 +146,7 @@ def pending(prompts: Sequence[BenchPrompt], configs: Sequence[BenchConfig], repe
         (prompt, repeat, config)
         for prompt in prompts
         for repeat in range(repeats)
-        for config in configs
+        for config in measuring_order(configs, repeat)
         if (prompt.id, config.label, repeat) not in records
     ]
 
@@ -175,6 +185,7 @@ class Runner:
         from tqdm import tqdm
 
         encoded: dict[str, object] = {}
+        waiting_for_off: list[tuple[dict, BenchPrompt, object]] = []  # measured before off of their (prompt, repeat)
         with tqdm(total=len(todo), unit="gen", desc="bench", file=sys.stderr, disable=not self.progress,
                   dynamic_ncols=True) as bar:
             for prompt, repeat, config in todo:
@@ -182,14 +193,33 @@ class Runner:
                 if prompt.id not in encoded:
                     encoded[prompt.id] = self._encode(prompt)
                 record = self.measure(prompt, encoded[prompt.id], config, repeat)
-                self.records.append(record)
+                self._record(record, prompt, encoded[prompt.id], waiting_for_off)
                 counts["measured"] += 1
                 if not record["success"]:
                     counts["failed"] += 1
                     bar.write(f"prompt {prompt.id}, {config.label}, repeat {repeat} failed: {record['error']}",
                               file=sys.stderr)
                 bar.update(1)
+        for record, _, _ in waiting_for_off:  # only if off itself was never measured: nothing to compare with
+            self.records.append(record)
         return counts
+
+    def _record(self, record: dict, prompt: BenchPrompt, prompt_ids, waiting_for_off: list) -> None:
+        """Write `record`, compared with off first; one measured before off waits for it."""
+        key = (prompt.id, record["repeat"])
+        if record["config"] == BASELINE:
+            self.records.append(record)
+            ready = [item for item in waiting_for_off if (item[0]["prompt_id"], item[0]["repeat"]) == key]
+            waiting_for_off[:] = [item for item in waiting_for_off if (item[0]["prompt_id"], item[0]["repeat"]) != key]
+        elif record["success"] and self.settings.greedy and self.records.find((prompt.id, BASELINE, record["repeat"])) is None:
+            waiting_for_off.append((record, prompt, prompt_ids))
+            return
+        else:
+            ready = [(record, prompt, prompt_ids)]
+        for waiting, its_prompt, its_ids in ready:
+            if waiting["success"]:
+                self._compare_with_off(waiting, its_prompt, its_ids, waiting["repeat"])
+            self.records.append(waiting)
 
     # -- one generation ----------------------------------------------------------------------
     def _encode(self, prompt: BenchPrompt):
@@ -225,6 +255,7 @@ class Runner:
             "wall_seconds": None,
             "stats": None,
             "matches_off": None,
+            "order": measuring_order(self.configs, repeat).index(config),
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         if isinstance(prompt_ids, Exception):
@@ -242,8 +273,6 @@ class Runner:
             return record
         record.update(success=True, output_token_ids=list(result.token_ids), text=result.text,
                       finish_reason=result.finish_reason, stats=dict(result.stats))
-        if config.label != BASELINE:
-            self._compare_with_off(record, prompt, prompt_ids, repeat)
         return record
 
     def _compare_with_off(self, record: dict, prompt: BenchPrompt, prompt_ids, repeat: int) -> None:
