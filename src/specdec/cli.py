@@ -48,6 +48,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     args.no_draft = args.no_draft or args.method not in ("draft", "auto")
     engine = load_engine(args)
     try:
+        if args.method == "auto":
+            from specdec.machine_profile import load_or_calibrate
+
+            cost, measured = load_or_calibrate(engine)
+            if measured:
+                print(f"specdec: calibrated this machine for auto ({cost.summary()}); saved for the next command",
+                      file=sys.stderr)
         prompt_ids = engine.encode_prompt(args.prompt, chat=args.chat)
         request = GenerationRequest(
             prompt_token_ids=tuple(prompt_ids),

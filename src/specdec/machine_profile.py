@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ INEXACT = "inexact"
 # at 0.71 (K = 2) and 0.57 (K = 4), n-gram lookup at 0.33 and 0.22 (docs/benchmarks.md).
 ASSUMED_ACCEPTANCE = 0.6
 PROFILE_FILE = "machine_profile.json"
+COST_MODELS_FILE = "cost_models.json"
+MAX_SAVED_COST_MODELS = 16  # setups remembered (machine + models + backend options); the oldest goes first
 DRAFTERS = ("ngram", "draft")
 
 
@@ -159,7 +162,9 @@ def measure_config(args: argparse.Namespace, config: BackendConfig, load_engine:
         return {"config": config.label, "backend": config.backend, "dtype": config.dtype, "exact": config.exact,
                 "error": str(exc)}
     try:
-        return profile_entry(config, engine.calibrate(), engine.target.describe())
+        cost = engine.calibrate()
+        save_cost_model_quietly(engine, cost)  # `auto` in later commands starts from it
+        return profile_entry(config, cost, engine.target.describe())
     finally:
         engine.close()
 
@@ -235,7 +240,6 @@ def machine_fingerprint() -> dict:
 
 def save_profile(entries: list[dict], chosen: Optional[str], path: Optional[Path] = None) -> Path:
     path = path or profile_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
     profile = {
         "fingerprint": machine_fingerprint(),
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -243,9 +247,14 @@ def save_profile(entries: list[dict], chosen: Optional[str], path: Optional[Path
         "chosen": chosen,
         "configs": entries,
     }
+    return _write_json(path, profile)
+
+
+def _write_json(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(profile, indent=2) + "\n", encoding="utf-8")
-    partial.replace(path)  # a reader never sees half a profile
+    partial.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    partial.replace(path)  # a reader never sees half a file
     return path
 
 
@@ -266,3 +275,70 @@ def saved_choice(path: Optional[Path] = None) -> Optional[BackendConfig]:
         return BackendConfig.parse(chosen) if chosen else None
     except SpecdecError:
         return None
+
+
+# -- saved cost models: `auto` without a calibration per command ------------------------------
+def cost_models_path() -> Path:
+    return specdec_home() / COST_MODELS_FILE
+
+
+def setup_key(engine) -> str:
+    """What a cost model holds for: this machine and specdec version, and each model as loaded
+    (backend, file with its size and modification time, threads, context, exactness)."""
+    def model(backend) -> Optional[dict]:
+        if backend is None:
+            return None
+        described = dict(backend.describe())
+        path = described.get("model")
+        if path and os.path.exists(path):
+            stat = os.stat(path)
+            described["file"] = [stat.st_size, stat.st_mtime_ns]  # the same path with another model is another setup
+        return described
+
+    return json.dumps({"machine": machine_fingerprint(), "target": model(engine.target), "draft": model(engine.draft)},
+                      sort_keys=True)
+
+
+def _saved_cost_models(path: Path) -> dict:
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))["setups"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}  # none yet, or unreadable: measured again and rewritten
+    return entries if isinstance(entries, dict) else {}
+
+
+def saved_cost_model(engine, path: Optional[Path] = None) -> Optional[CostModel]:
+    entry = _saved_cost_models(path or cost_models_path()).get(setup_key(engine))
+    try:
+        return CostModel.from_json(entry["cost_model"]) if entry else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def save_cost_model(engine, cost: CostModel, path: Optional[Path] = None) -> Path:
+    path = path or cost_models_path()
+    key = setup_key(engine)
+    setups = {k: v for k, v in _saved_cost_models(path).items() if k != key}
+    setups[key] = {"measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   "summary": cost.summary(), "cost_model": cost.to_json()}
+    return _write_json(path, {"setups": dict(list(setups.items())[-MAX_SAVED_COST_MODELS:])})
+
+
+def load_or_calibrate(engine, path: Optional[Path] = None) -> tuple[CostModel, bool]:
+    """Give `auto` the cost model saved for this exact setup, else calibrate (about 10 s) and save
+    it for the next command. Returns (cost model, whether it was measured now). A saved model is
+    a starting point: the online updates rescale it to the machine's speed within a generation."""
+    saved = saved_cost_model(engine, path)
+    if saved is not None:
+        return engine.use_cost_model(saved), False
+    cost = engine.calibrate()
+    save_cost_model_quietly(engine, cost, path)
+    return cost, True
+
+
+def save_cost_model_quietly(engine, cost: CostModel, path: Optional[Path] = None) -> None:
+    try:
+        save_cost_model(engine, cost, path)
+    except OSError as exc:  # a read-only cache costs a calibration next time, nothing else
+        print(f"specdec: could not save the cost model ({exc}); the next command calibrates again", file=sys.stderr)
+

@@ -134,6 +134,24 @@ def test_seeded_sampling_is_reproducible_per_method():
         assert a.token_ids == b.token_ids
 
 
+def test_seeded_sampling_gives_the_same_text_with_and_without_n_gram_drafting():
+    """Deterministic proposals are verified against the target's own position-keyed samples, so a
+    seed fixes the text whatever is proposed: off, ngram at any k and auto (without a draft model,
+    it proposes n-gram matches or nothing) agree token for token."""
+    engine = Engine(FakeBackend(seed=7, sharpness=1.0))
+    drafted = accepted = 0
+    for seed in range(6):
+        sampling = SamplingParams(temperature=0.9, top_k=50, seed=seed)
+        plain = engine.generate(request(engine, "abc abc abc abc", method="off", sampling=sampling))
+        for method, k in (("ngram", 2), ("ngram", 5), ("auto", 4)):
+            result = engine.generate(request(engine, "abc abc abc abc", method=method, k=k, sampling=sampling))
+            assert result.token_ids == plain.token_ids, (seed, method, k)
+            if method == "ngram":
+                drafted += result.stats["drafted_tokens"]
+                accepted += result.stats["accepted_tokens"]
+    assert drafted > 0 and 0 < accepted < drafted  # proposals were made, some accepted, some rejected
+
+
 def test_stats_keys_and_null_ratios():
     engine = make_engine()
     stats = engine.generate(request(engine, method="off", max_tokens=5)).stats

@@ -1,7 +1,8 @@
 """Choosing the backend configuration per machine: the expected speculative rate on hand-computed
 costs, the chooser (the fastest exact configuration, never an inexact one), `specdec calibrate
---configs ... --save` on fake backends with known forward costs, and commands without --backend
-resolving to the saved choice only on the machine it was measured on."""
+--configs ... --save` on fake backends with known forward costs, commands without --backend
+resolving to the saved choice only on the machine it was measured on, and `auto` in a command
+starting from the cost model saved for its exact setup instead of calibrating again."""
 import json
 import subprocess
 import sys
@@ -14,8 +15,9 @@ from specdec.backends.fake import FakeBackend
 from specdec.cli import build_parser, main
 from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
-from specdec.machine_profile import (BackendConfig, best_speculative_rate, choose, parse_configs, profile_entry,
-                                     profile_path, save_profile, saved_choice)
+from specdec.machine_profile import (MAX_SAVED_COST_MODELS, BackendConfig, best_speculative_rate, choose,
+                                     cost_models_path, load_or_calibrate, parse_configs, profile_entry, profile_path,
+                                     save_cost_model, save_profile, saved_choice, saved_cost_model)
 from specdec.types import SpecdecError
 
 
@@ -199,3 +201,83 @@ def test_resolving_the_default_backend_does_not_import_torch(specdec_home):
             "assert args.backend == 'llama.cpp'; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.fixture
+def calibrations(monkeypatch):
+    """Counts Engine.calibrate calls (each is about 10 s on the real pair)."""
+    count = [0]
+    calibrate = Engine.calibrate
+
+    def counting(self, slot=0):
+        count[0] += 1
+        return calibrate(self, slot)
+
+    monkeypatch.setattr(Engine, "calibrate", counting)
+    return count
+
+
+def test_auto_in_generate_calibrates_once_then_starts_from_the_saved_cost_model(fake_engines, calibrations, capsys):
+    generate = ["generate", "abc abc abc", "--backend", "llama.cpp", "--method", "auto", "--max-tokens", "6", "--json"]
+    assert main(generate) == 0
+    assert calibrations[0] == 1 and "calibrated this machine for auto" in capsys.readouterr().err
+    saved = json.loads(cost_models_path().read_text())["setups"]
+    (entry_,) = saved.values()
+    assert float(entry_["cost_model"]["target_seconds"]["1"]) == pytest.approx(0.050)  # the fake's 5 + 45 ms
+    assert main(generate) == 0
+    captured = capsys.readouterr()
+    assert calibrations[0] == 1 and "calibrated" not in captured.err
+    assert json.loads(captured.out)["stats"]["method"] == "auto"
+    assert main(["generate", "abc", "--backend", "llama.cpp", "--max-tokens", "2", "--method", "off"]) == 0
+    assert calibrations[0] == 1  # only auto needs a cost model
+
+
+def test_specdec_calibrate_refreshes_the_saved_cost_model(fake_engines, calibrations):
+    assert main(["calibrate", "--backend", "llama.cpp"]) == 0
+    assert calibrations[0] == 1 and cost_models_path().exists()
+    assert main(["generate", "abc", "--backend", "llama.cpp", "--method", "auto", "--max-tokens", "2"]) == 0
+    assert calibrations[0] == 1
+
+
+def fake_engine(n_ctx=4096):
+    clock = FakeClock()
+    return Engine(FakeBackend(seed=7, clock=clock, step_cost=0.01, token_cost=0.02, n_ctx=n_ctx),
+                  FakeBackend(seed=7, noise=0.5, clock=clock, step_cost=0.004, n_ctx=n_ctx), clock=clock)
+
+
+def test_a_saved_cost_model_holds_only_for_its_own_setup(calibrations, tmp_path):
+    path = tmp_path / "cost_models.json"
+    engine = fake_engine()
+    cost, measured = load_or_calibrate(engine, path)
+    assert measured and calibrations[0] == 1 and engine.cost_model is cost
+    again = fake_engine()
+    reloaded, measured = load_or_calibrate(again, path)
+    assert not measured and calibrations[0] == 1
+    assert reloaded.target_seconds == cost.target_seconds and reloaded.draft_step_seconds == cost.draft_step_seconds
+    assert again.cost_model is reloaded and "auto" in again.slots[0].drafters
+    assert saved_cost_model(fake_engine(n_ctx=2048), path) is None  # another context: another setup
+    assert saved_cost_model(Engine(FakeBackend(seed=7)), path) is None  # no draft model: another setup
+    path.write_text("{not json")
+    assert saved_cost_model(fake_engine(), path) is None
+    assert load_or_calibrate(fake_engine(), path)[1] and calibrations[0] == 2  # unreadable: measured, rewritten
+    assert saved_cost_model(fake_engine(), path) is not None
+
+
+def test_the_saved_cost_models_are_bounded_oldest_first(tmp_path):
+    path = tmp_path / "cost_models.json"
+    cost = CostModel({1: 0.05, 2: 0.09})
+    for n_ctx in range(64, 64 + MAX_SAVED_COST_MODELS + 2):
+        save_cost_model(Engine(FakeBackend(seed=7, n_ctx=n_ctx)), cost, path)
+    assert len(json.loads(path.read_text())["setups"]) == MAX_SAVED_COST_MODELS
+    assert saved_cost_model(Engine(FakeBackend(seed=7, n_ctx=64)), path) is None
+    assert saved_cost_model(Engine(FakeBackend(seed=7, n_ctx=64 + MAX_SAVED_COST_MODELS + 1)), path) is not None
+
+
+def test_cost_model_json_round_trip_and_validation():
+    cost = CostModel({1: 0.05, 2: 0.09, 16: 0.7}, draft_step_seconds=0.02, draft_prefill_seconds=0.001)
+    back = CostModel.from_json(json.loads(json.dumps(cost.to_json())))
+    assert (back.target_seconds, back.draft_step_seconds, back.draft_prefill_seconds) == \
+        (cost.target_seconds, 0.02, 0.001)
+    for bad in ({"target_seconds": {"2": 0.1}}, {"target_seconds": {"1": 0}}):
+        with pytest.raises(ValueError):
+            CostModel.from_json(bad)

@@ -1,10 +1,11 @@
 """The acceptance rule: exact small cases and a Monte-Carlo check that the output is distributed
-exactly as the target's, for the first position and for the position after a rejection."""
+exactly as the target's, for the first position and for the position after a rejection; also for
+deterministic proposals verified against the target's own position-keyed samples."""
 import numpy as np
 import pytest
 
-from specdec.sampling.probs import token_distribution, sample
-from specdec.sampling.verify import verify, verify_greedy
+from specdec.sampling.probs import position_uniform, sample, sample_with, token_distribution
+from specdec.sampling.verify import verify, verify_deterministic, verify_greedy
 from specdec.types import SamplingParams
 
 
@@ -162,3 +163,40 @@ def test_top_p_falls_back_to_full_sort_on_flat_distributions():
     dist = token_distribution(logits, SamplingParams(temperature=1.0, top_p=0.8999))
     assert (dist > 0).sum() == 4500
     np.testing.assert_allclose(dist.sum(), 1.0)
+
+
+def test_deterministic_proposals_against_position_keyed_samples_follow_the_target_monte_carlo():
+    """Leviathan's rule for a one-hot q: x is accepted with probability p(x), and a rejection yields
+    p without x; and every seed gives the token plain sampling would give at that position."""
+    p = np.stack([np.array([0.1, 0.2, 0.3, 0.4]), np.array([0.5, 0.1, 0.1, 0.3])])
+    n, draft = 40_000, [2, 0]
+    first, accepted_first, after_rejection = np.zeros(4), 0, np.zeros(4)
+    asked = []
+    for seed in range(n):
+        def own(i):
+            asked.append(i)
+            return sample_with(p[i], position_uniform(seed, 100 + i))
+
+        v = verify_deterministic(draft[:1], own)
+        plain = sample_with(p[0], position_uniform(seed, 100))
+        out = [*v.accepted_tokens, v.next_token]
+        assert out[0] == plain  # the proposal never changes what is sampled at a position
+        first[out[0]] += 1
+        if v.num_accepted:
+            accepted_first += 1
+        else:
+            after_rejection[v.next_token] += 1
+    assert 0.5 * np.abs(first / n - p[0]).sum() < _tv_bound(n, 4)
+    assert abs(accepted_first / n - 0.3) < 4 * np.sqrt(0.3 * 0.7 / n)  # p(x) for x = 2
+    residual = np.array([0.1, 0.2, 0.0, 0.4]) / 0.7
+    assert after_rejection[2] == 0
+    assert 0.5 * np.abs(after_rejection / after_rejection.sum() - residual).sum() < _tv_bound(int(after_rejection.sum()), 4)
+    asked.clear()
+    verify_deterministic([3, 3, 3], lambda i: asked.append(i) or 1)
+    assert asked == [0]  # rows after the first rejection are never sampled
+
+
+def test_position_uniform_is_keyed_by_seed_and_position():
+    assert position_uniform(5, 10) == position_uniform(5, 10)
+    draws = {position_uniform(seed, position) for seed in range(3) for position in range(50)}
+    assert len(draws) == 150 and all(0.0 <= u < 1.0 for u in draws)

@@ -60,6 +60,18 @@ class CostModel:
         draft = f"; draft step {self.draft_step_seconds * 1e3:.1f} ms" if self.draft_step_seconds else ""
         return f"t(1) {self.target(1) * 1e3:.1f} ms, v(2..{max(self.target_seconds)}) {v}{draft}"
 
+    def to_json(self) -> dict:
+        """Everything needed to price proposals again later (`from_json`); keys as strings for JSON."""
+        return {"target_seconds": {str(n): t for n, t in sorted(self.target_seconds.items())},
+                "draft_step_seconds": self.draft_step_seconds, "draft_prefill_seconds": self.draft_prefill_seconds}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostModel":
+        target_seconds = {int(n): float(t) for n, t in data["target_seconds"].items()}
+        if 1 not in target_seconds or any(t <= 0 for t in target_seconds.values()):
+            raise ValueError("a cost model needs a positive one-token time")
+        return cls(target_seconds, data.get("draft_step_seconds"), data.get("draft_prefill_seconds"))
+
     def as_dict(self) -> dict:
         t1 = self.target(1)
         return {

@@ -6,6 +6,7 @@ distribution at each draft position plus one. Plain decoding is the same loop wi
 """
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Callable, Iterator, Optional
 
@@ -16,8 +17,8 @@ from specdec.drafters.history import NgramHistory
 from specdec.engine.sequence import CachedSequence
 from specdec.engine.stats import GenerationStats
 from specdec.engine.stopping import TextAssembler
-from specdec.sampling.probs import token_distribution
-from specdec.sampling.verify import verify, verify_greedy
+from specdec.sampling.probs import position_uniform, sample_with, token_distribution
+from specdec.sampling.verify import verify, verify_deterministic, verify_greedy
 from specdec.types import GenerationRequest, Proposal, SpecdecError, StreamEvent
 
 
@@ -41,7 +42,11 @@ class Generation:
         self.prefix_cache = prefix_cache
         self.clock = clock
         self.history = history  # the tenant's cross-request n-gram cache: drafts from it, learns our text
-        self.rng = np.random.default_rng(request.sampling.seed)
+        # Sampling noise: keyed by (seed, position) for the target's own tokens, so off, n-gram
+        # drafting and auto's n-gram rounds sample the same text for one seed; a sequence for the
+        # draft model's proposals and their acceptance (Leviathan's rule with its q).
+        self.seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
+        self.rng = np.random.default_rng([self.seed, 1 << 64])  # a stream no position key collides with
         self.context: list[int] = list(request.prompt_token_ids)  # prompt + generated; last = pending
         self.token_ids: list[int] = []
         self.assembler = TextAssembler(request.stop)
@@ -103,6 +108,10 @@ class Generation:
         sampling = self.request.sampling
         if sampling.greedy:
             verdict = verify_greedy(draft_tokens, np.argmax(target_logits, axis=-1))
+        elif proposal.draft_probs is None:  # a deterministic proposal (or none): see sampling/verify.py
+            first = len(self.context)  # the sequence position of target_logits[0]'s token
+            verdict = verify_deterministic(draft_tokens, lambda i: sample_with(
+                token_distribution(target_logits[i], sampling), position_uniform(self.seed, first + i)))
         else:
             target_probs = np.stack([token_distribution(row, sampling) for row in target_logits])
             verdict = verify(draft_tokens, proposal.draft_probs, target_probs, self.rng)

@@ -86,11 +86,15 @@ class Engine:
         Uses the slot's caches as scratch space: call it for a slot that is not generating.
         """
         scratch = self.slots[slot]
-        self.cost_model = calibrate(scratch.target, scratch.draft, clock=self.clock)
+        return self.use_cost_model(calibrate(scratch.target, scratch.draft, clock=self.clock))
+
+    def use_cost_model(self, cost: CostModel) -> CostModel:
+        """Let `auto` price its proposals with `cost`: just measured, or saved by an earlier
+        calibration of the same setup (it keeps updating online either way)."""
+        self.cost_model = cost
         for each in self.slots:
-            each.drafters["auto"] = AutoDrafter(self.cost_model, each.drafters.get("draft"),
-                                                max_ngram=self.config.ngram_max)
-        return self.cost_model
+            each.drafters["auto"] = AutoDrafter(cost, each.drafters.get("draft"), max_ngram=self.config.ngram_max)
+        return cost
 
     # -- prompts -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: Union[str, Sequence[dict]], chat: bool) -> list[int]:

@@ -67,6 +67,17 @@ def _top_p_filter(probs: np.ndarray, top_p: float) -> np.ndarray:
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one index from probs [vocab] (need not be normalised) by inverse CDF."""
+    return sample_with(probs, rng.random())
+
+
+def sample_with(probs: np.ndarray, uniform: float) -> int:
+    """The index whose CDF interval holds `uniform` in [0, 1): inverse-CDF sampling with given noise."""
     cumulative = np.cumsum(probs)
-    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
     return min(index, probs.size - 1)
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The uniform draw that samples the token at sequence `position` of a request seeded `seed`:
+    keyed by position, so what is sampled there never depends on what was drafted before it."""
+    return float(np.random.default_rng([seed, position]).random())

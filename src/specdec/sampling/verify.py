@@ -1,10 +1,16 @@
 """The lossless acceptance rule (Leviathan et al. 2023; Chen et al. 2023), as pure functions.
 
 Letters follow the Leviathan paper: p is the target's distribution, q the draft's.
+
+For a deterministic proposal (q one-hot at the proposed x: n-gram matches, greedy drafts) the rule
+accepts x with probability p(x) and otherwise draws from p without x. `verify_deterministic` does
+exactly that by drawing the target's own token at each position and accepting x while they agree:
+P(own == x) = p(x), and an own token that differs is distributed as p without x. With noise keyed
+by position (the decoder's), the output then never depends on what was proposed.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -53,6 +59,19 @@ def verify(
     return Verdict(tuple(accepted), sample(target_probs[k], rng))
 
 
+def verify_deterministic(draft_tokens: Sequence[int], target_token: Callable[[int], int]) -> Verdict:
+    """Accept while the draft equals the target's own token at each position (see the module's
+    docstring); target_token(i) gives it for draft position i (0..k, k the bonus position) and is
+    asked only for the positions reached."""
+    accepted: list[int] = []
+    for i, token in enumerate(draft_tokens):
+        own = int(target_token(i))
+        if own != int(token):
+            return Verdict(tuple(accepted), own)
+        accepted.append(own)
+    return Verdict(tuple(accepted), int(target_token(len(draft_tokens))))
+
+
 def verify_greedy(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> Verdict:
     """Greedy special case: accept while the draft equals the target's argmax.
 
@@ -60,9 +79,4 @@ def verify_greedy(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> 
     Example: draft [5, 7, 9], argmax [5, 7, 2, 4] -> accepted (5, 7), next_token 2;
     draft [5, 7], argmax [5, 7, 8] -> accepted (5, 7), next_token 8 (the bonus token).
     """
-    accepted: list[int] = []
-    for token, best in zip(draft_tokens, target_argmax):
-        if int(token) != int(best):
-            break
-        accepted.append(int(token))
-    return Verdict(tuple(accepted), int(target_argmax[len(accepted)]))
+    return verify_deterministic(draft_tokens, lambda i: target_argmax[i])
