@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-category", type=int, default=None,
                         help="the first N prompts of each category, in file order")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per generation (default 128)")
-    parser.add_argument("--methods", default="off,ngram,draft",
-                        help="comma-separated methods, each `method` or `method:kK` (default off,ngram,draft; off always runs)")
+    parser.add_argument("--methods", default="off,ngram,draft,auto",
+                        help="comma-separated methods, each `method` or `method:kK` (default off,ngram,draft,auto; "
+                             "off always runs)")
     parser.add_argument("--num-draft-tokens", default=None,
                         help="comma-separated K values; each speculative method runs once per K, labelled method:kK "
                              "(default: the engine's default K, labelled by the method name)")
