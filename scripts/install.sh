@@ -1,10 +1,23 @@
 #!/usr/bin/env bash
-# Idempotent set-up: a virtual environment at .venv, llama-cpp-python built for this CPU with
-# specdec's exactness switch, torch's CPU build, and specdec with its test dependencies. Safe to run again.
+# Idempotent set-up of a virtual environment at .venv. Safe to run again.
+#   scripts/install.sh        specdec with the llama.cpp-family backends this CPU runs well (the main job)
+#   scripts/install.sh test   everything the tests use: both backends, torch's CPU build, test tools
+#
+#   ik_llama.cpp   PyPI's prebuilt ik-llama-cpp-python wheel (x86_64, AVX2 kernels): seconds.
+#   llama.cpp      llama-cpp-python built from source for this CPU with specdec's exactness switch
+#                  (about 6 minutes on a 2-core Zen 4, 11 on a Zen 3; the wheel is cached).
+#
+# The main job builds mainline llama.cpp only where it can be the faster one: on CPUs with
+# AVX-512, whose kernels ik's AVX2 wheel does not use (measured on a 2-core Zen 4: mainline
+# decodes 1.12x faster there), or where ik's wheel cannot run (no AVX2, not x86_64). The tests
+# build it everywhere: they test both backends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MODE=${1:-serve}
+case "$MODE" in serve|test) ;; *) echo "usage: scripts/install.sh [serve|test]" >&2; exit 2 ;; esac
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
+IK_LLAMA_CPP_PYTHON_VERSION=0.1.5  # as pinned in pyproject.toml
 TORCH_VERSION=2.13.0  # as pinned in pyproject.toml's torch extra
 PATCH_LEVEL=1  # bump when scripts/patch_llama_cpp.sh changes
 SPECDEC_HOME=${SPECDEC_HOME:-$HOME/.cache/specdec}
@@ -14,10 +27,24 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip==24.3.1 2>/dev/null
 
-# CPU-specific build flags: the AVX-512 set where present, AVX2 otherwise, never AMX (its
-# llama.cpp path faults here) and never -march=native (a wheel built here must not crash elsewhere).
 cpu_flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
 has() { [[ " $cpu_flags " == *" $1 "* ]]; }
+ik_runs=false
+if [ "$(uname -m)" = x86_64 ] && has avx2 && has fma && has f16c; then ik_runs=true; fi
+
+# -- ik_llama.cpp: the prebuilt wheel -----------------------------------------------------------
+if $ik_runs; then
+  .venv/bin/python -m pip install -q "ik-llama-cpp-python==$IK_LLAMA_CPP_PYTHON_VERSION"
+else
+  echo "specdec: this CPU cannot run ik_llama.cpp's AVX2 wheel; using mainline llama.cpp" >&2
+fi
+
+# -- mainline llama.cpp: built for this CPU -----------------------------------------------------
+want_mainline=false
+if [ "$MODE" = test ] || ! $ik_runs || has avx512f; then want_mainline=true; fi
+
+# CPU-specific build flags: the AVX-512 set where present, AVX2 otherwise, never AMX (its
+# llama.cpp path faults here) and never -march=native (a wheel built here must not crash elsewhere).
 cmake_args="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF"
 has avx && cmake_args+=" -DGGML_AVX=ON"
 has avx2 && cmake_args+=" -DGGML_AVX2=ON"
@@ -42,9 +69,9 @@ assert any(b"GGML_CPU_FA_REFERENCE" in p.read_bytes() for p in lib.glob("libggml
 PY
 }
 
-if ! llama_ok; then
+if $want_mainline && ! llama_ok; then
   if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-    echo "specdec: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION for this CPU (about 10 minutes, once)" >&2
+    echo "specdec: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION for this CPU (6 to 11 minutes, once)" >&2
     echo "specdec: CMAKE_ARGS=$cmake_args" >&2
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
@@ -61,8 +88,12 @@ if ! llama_ok; then
   llama_ok || { echo "specdec: llama-cpp-python install failed its check" >&2; exit 1; }
 fi
 
+if [ "$MODE" = serve ]; then
+  .venv/bin/python -m pip install -q -e .
+  exit 0
+fi
 # torch before the extras that need it: pinned here, pip takes the CPU wheel on disk (2.13.0+cpu
 # sorts above PyPI's 2.13.0, a CUDA build); left to the resolver of `.[test]` it could take either.
 # Already installed, pip does nothing.
 .venv/bin/python -m pip install -q "torch==$TORCH_VERSION"
-.venv/bin/python -m pip install -q -e ".[test]" --find-links "$wheel_dir"
+.venv/bin/python -m pip install -q -e ".[test]"

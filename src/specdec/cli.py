@@ -40,13 +40,15 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from specdec.runtime import load_engine
+    from specdec.runtime import load_engine, model_config
     from specdec.types import GenerationRequest, SamplingParams, SpecConfig
 
     if args.max_tokens is not None and args.max_tokens < 0:
         raise SpecdecError("--max-tokens must be >= 0.")
-    args.no_draft = args.no_draft or args.method not in ("draft", "auto")
-    engine = load_engine(args)
+    models = model_config(args)
+    if args.method not in ("draft", "auto"):
+        models = models.without_draft()
+    engine = load_engine(models)
     try:
         if args.method == "auto":
             from specdec.machine_profile import load_or_calibrate
@@ -84,17 +86,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure each configuration's cost model (what `auto` prices its proposals with), one loaded
     at a time; print one JSON line per configuration, then a table and the exact one to default to."""
-    from specdec.machine_profile import BackendConfig, choose, format_table, measure_config, parse_configs, save_profile
-    from specdec.runtime import load_engine, resolve_backend
+    from specdec import runtime
+    from specdec.machine_profile import choose, format_table, measure_config, parse_configs, save_profile, saved_choice
 
-    if args.configs:
-        configs = parse_configs(args.configs)
-    else:
-        resolve_backend(args)
-        configs = [BackendConfig.from_args(args)]
+    if args.if_missing:
+        current = saved_choice()
+        if current is not None:
+            print(f"specdec calibrate: this machine's profile is current (default {current.label}); nothing to do",
+                  file=sys.stderr)
+            return 0
+    models = runtime.model_config(args)
+    configs = parse_configs(args.configs) if args.configs else [models.backend]
+    if args.if_missing and sum(config.exact for config in configs) < 2:
+        print("specdec calibrate: fewer than two exact configurations installed; nothing to choose between",
+              file=sys.stderr)
+        return 0
     entries = []
     for config in configs:
-        entries.append(measure_config(args, config, load_engine))
+        entries.append(measure_config(models, config, runtime.load_engine))
         print(json.dumps(entries[-1]), flush=True)
     measured = [entry for entry in entries if "error" not in entry]
     if not measured:
@@ -151,13 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = commands.add_parser("calibrate", help="measure this machine's cost model per backend configuration "
                                                       "and choose the fastest exact one")
     calibrate.add_argument("--configs", help="comma-separated configurations to measure one after another, e.g. "
-                                             "llama.cpp,llama.cpp:inexact,torch:bfloat16,torch:float32 (torch ones "
-                                             "take :inexact too), or all (every one whose libraries are installed); "
-                                             "default: the one --backend, --dtype and --inexact name")
+                                             "ik_llama.cpp,llama.cpp,llama.cpp:inexact,torch:float32 (each takes "
+                                             ":inexact), all (every one whose libraries are installed) or exact "
+                                             "(their exact ones); default: the one --backend, --dtype and --inexact name")
     calibrate.add_argument("--save", action="store_true",
                            help="save the measurements and the chosen exact configuration to "
                                 "$SPECDEC_HOME/machine_profile.json (default ~/.cache/specdec): commands given no "
                                 "--backend then use that choice on this machine")
+    calibrate.add_argument("--if-missing", action="store_true",
+                           help="do nothing if this machine already has a profile measured with this specdec version, "
+                                "or if there is only one exact configuration to choose from (make serve uses it)")
     add_model_arguments(calibrate)
     calibrate.set_defaults(handler=_cmd_calibrate)
 

@@ -15,29 +15,21 @@ one-off command starts from it instead of spending ~10 s calibrating again.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import sys
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Callable, Optional
 
 from specdec import __version__
-from specdec.backends.llama_cpp import default_threads
+from specdec.backends.base import default_threads
+from specdec.backends.registry import BackendConfig, ModelConfig, default_backend, installed_configs
 from specdec.drafters.auto import expected_tokens
 from specdec.engine.cost_model import CostModel
 from specdec.models.registry import specdec_home
 from specdec.types import SpecdecError
-
-LLAMA_CPP = "llama.cpp"
-TORCH = "torch"
-BACKENDS = (LLAMA_CPP, TORCH)
-TORCH_DTYPES = ("bfloat16", "float32")  # torch_backend.DTYPES, named here without importing torch
-INEXACT = "inexact"
 
 # Per-token acceptance assumed when pricing speculation: the adaptive policy's prior for the draft
 # model (AutoDrafter's draft_prior). Spec-Bench on this project's machine measured the default pair
@@ -81,59 +73,12 @@ def best_speculative_rate(cost: CostModel, acceptance: float, max_draft: int) ->
     return result
 
 
-@dataclass(frozen=True)
-class BackendConfig:
-    backend: str
-    dtype: Optional[str] = None  # torch only
-    exact: bool = True
-
-    @property
-    def label(self) -> str:
-        """"llama.cpp", "llama.cpp:inexact", "torch:bfloat16", "torch:float32:inexact"."""
-        return ":".join([self.backend, *([self.dtype] if self.dtype else []), *([] if self.exact else [INEXACT])])
-
-    @classmethod
-    def parse(cls, text: str) -> "BackendConfig":
-        backend, *rest = text.strip().split(":")
-        exact = INEXACT not in rest
-        rest = [part for part in rest if part != INEXACT]
-        if backend not in BACKENDS:
-            raise SpecdecError(f"unknown backend {backend!r} in {text!r}; choose {' or '.join(BACKENDS)}.")
-        dtype = None
-        if backend == TORCH:
-            dtype = rest.pop(0) if rest else TORCH_DTYPES[0]
-            if dtype not in TORCH_DTYPES:
-                raise SpecdecError(f"unknown dtype {dtype!r} in {text!r}; choose {' or '.join(TORCH_DTYPES)}.")
-        if rest:
-            raise SpecdecError(f"cannot read configuration {text!r}; e.g. llama.cpp, llama.cpp:inexact, torch:float32.")
-        return cls(backend, dtype, exact)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "BackendConfig":
-        return cls(args.backend, args.dtype if args.backend == TORCH else None, not getattr(args, "inexact", False))
-
-    def apply(self, args: argparse.Namespace) -> argparse.Namespace:
-        """A copy of the options that loads this configuration."""
-        return argparse.Namespace(**{**vars(args), "backend": self.backend, "dtype": self.dtype or args.dtype,
-                                     "inexact": not self.exact})
-
-
-def installed_configs() -> list[BackendConfig]:
-    """Every configuration whose libraries are importable (looked up, not imported: no torch here)."""
-    configs = []
-    if find_spec("llama_cpp"):
-        configs += [BackendConfig(LLAMA_CPP), BackendConfig(LLAMA_CPP, exact=False)]
-    if find_spec("torch") and find_spec("transformers"):
-        configs += [BackendConfig(TORCH, dtype, exact) for dtype in TORCH_DTYPES for exact in (True, False)]
-    return configs
-
-
 def parse_configs(text: str) -> list[BackendConfig]:
-    """--configs: comma-separated labels, or `all`."""
-    if text.strip() == "all":
-        configs = installed_configs()
+    """--configs: comma-separated labels, `all` (every installed configuration) or `exact` (its exact ones)."""
+    if text.strip() in ("all", "exact"):
+        configs = [config for config in installed_configs() if config.exact or text.strip() == "all"]
         if not configs:
-            raise SpecdecError("neither llama-cpp-python nor torch + transformers is installed.")
+            raise SpecdecError("no backend is installed; run `make install`.")
         return configs
     configs = [BackendConfig.parse(part) for part in text.split(",") if part.strip()]
     if not configs:
@@ -156,11 +101,11 @@ def profile_entry(config: BackendConfig, cost: CostModel, target: Optional[dict]
     }
 
 
-def measure_config(args: argparse.Namespace, config: BackendConfig, load_engine: Callable) -> dict:
+def measure_config(models: ModelConfig, config: BackendConfig, load_engine: Callable) -> dict:
     """Load one configuration, calibrate it and close it, so that only one is in memory at a time.
     A configuration that cannot load is reported as such, not fatal to the others."""
     try:
-        engine = load_engine(config.apply(args))
+        engine = load_engine(models.with_backend(config))
     except SpecdecError as exc:
         return {"config": config.label, "backend": config.backend, "dtype": config.dtype, "exact": config.exact,
                 "error": str(exc)}
@@ -210,7 +155,7 @@ def format_table(entries: list[dict], chosen: Optional[str]) -> str:
         lines.append(f"default: {chosen} (the exact configuration with the highest expected end-to-end tok/s, "
                      f"plain or speculative at acceptance {a})")
     else:
-        lines.append(f"default: {LLAMA_CPP} (no exact configuration was measured)")
+        lines.append(f"default: {default_backend()} (the first installed backend: no exact configuration was measured)")
     return "\n".join(lines)
 
 
@@ -271,8 +216,8 @@ def saved_choice(path: Optional[Path] = None) -> Optional[BackendConfig]:
     except (OSError, ValueError, AttributeError):
         return None
     if fingerprint != machine_fingerprint():
-        print(f"specdec: {path} was measured on another machine or specdec version; using {LLAMA_CPP} "
-              "(run `specdec calibrate --configs all --save` to measure this one)", file=sys.stderr)
+        print(f"specdec: {path} was measured on another machine or specdec version; using the first installed "
+              "backend (run `specdec calibrate --configs exact --save` to measure this one)", file=sys.stderr)
         return None
     try:
         return BackendConfig.parse(chosen) if chosen else None

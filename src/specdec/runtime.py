@@ -1,4 +1,4 @@
-"""Building an engine from command-line style options: backend, model paths, context, threads."""
+"""Building an engine from a command's options: parsed once into a ModelConfig, loaded by the registry."""
 from __future__ import annotations
 
 import argparse
@@ -6,18 +6,21 @@ from pathlib import Path
 from typing import Optional
 
 from specdec.backends.base import Backend
+from specdec.backends.registry import REGISTRY, BackendConfig, ModelConfig, backend_entry, default_backend
 from specdec.engine.engine import Engine, EngineConfig
-from specdec.machine_profile import BACKENDS, LLAMA_CPP, TORCH, TORCH_DTYPES, saved_choice
 from specdec.models.registry import DRAFT, TARGET, ModelSpec, default_path
 from specdec.types import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS, SpecdecError
+
+DTYPES = sorted({dtype for entry in REGISTRY.values() for dtype in entry.dtypes})
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("models")
-    group.add_argument("--backend", choices=BACKENDS, default=None,
-                       help="who runs the models: llama.cpp or torch (transformers, for both models); default: "
-                            "the choice `specdec calibrate --save` made on this machine, else llama.cpp")
-    group.add_argument("--dtype", choices=TORCH_DTYPES, default=TORCH_DTYPES[0],
+    group.add_argument("--backend", choices=list(REGISTRY), default=None,
+                       help="who runs the models: " + "; ".join(f"{name}: {entry.summary}" for name, entry in REGISTRY.items())
+                            + ". Default: the choice `specdec calibrate --configs all --save` made on this machine, "
+                              "else the first installed of " + ", ".join(REGISTRY))
+    group.add_argument("--dtype", choices=DTYPES, default=None,
                        help="torch backend only: weights and activations in bfloat16 (default) or float32; "
                             "without --backend, the saved choice's")
     group.add_argument("--model", help="target GGUF, or for torch also a Hugging Face model folder "
@@ -39,6 +42,32 @@ def add_method_arguments(parser: argparse.ArgumentParser, default_method: str = 
                         help=f"tokens proposed per round (default {DEFAULT_NUM_DRAFT_TOKENS})")
 
 
+def backend_config(args: argparse.Namespace) -> BackendConfig:
+    """--backend and --dtype, or else the saved per-machine choice if it was measured on this
+    machine, or else the first installed backend. Exactness stays --inexact's: never the profile's."""
+    from specdec.machine_profile import saved_choice
+
+    exact = not getattr(args, "inexact", False)
+    dtype = getattr(args, "dtype", None)
+    if getattr(args, "backend", None) is None:
+        choice = saved_choice()
+        if choice is not None:
+            return BackendConfig(choice.backend, choice.dtype, exact)
+        return BackendConfig.parse(default_backend() + ("" if exact else ":inexact"))
+    dtypes = backend_entry(args.backend).dtypes
+    return BackendConfig(args.backend, (dtype or dtypes[0]) if dtypes else None, exact)
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The command's model options, parsed once; the rest of the program reads only this."""
+    if args.ctx_size < 16:
+        raise SpecdecError("--ctx-size must be at least 16.")
+    if args.threads is not None and args.threads < 1:
+        raise SpecdecError("--threads must be at least 1.")
+    return ModelConfig(backend=backend_config(args), target=args.model, draft=args.draft_model,
+                       load_draft=not args.no_draft, ctx_size=args.ctx_size, threads=args.threads)
+
+
 def resolve_model(path: Optional[str], spec: ModelSpec) -> Path:
     """A user path as given, or the default model from the cache (verified by size and sha256 stamp)."""
     if path:
@@ -50,40 +79,19 @@ def resolve_model(path: Optional[str], spec: ModelSpec) -> Path:
     return cached
 
 
-def resolve_backend(args: argparse.Namespace) -> None:
-    """Fill in --backend (and --dtype) when not given: the saved machine profile's choice if it
-    was measured on this machine, else llama.cpp. Exactness stays --inexact's: never the profile's."""
-    if getattr(args, "backend", None) is not None:
-        return
-    choice = saved_choice()
-    args.backend = choice.backend if choice else LLAMA_CPP
-    if choice and choice.dtype:
-        args.dtype = choice.dtype
+def load_backend(config: ModelConfig, path: Path, n_slots: int = 1) -> Backend:
+    """One model on the configured backend; each backend imports its libraries only when loaded."""
+    return backend_entry(config.backend.backend).load(path, config, n_slots)
 
 
-def load_backend(args: argparse.Namespace, path: Path, n_slots: int = 1) -> Backend:
-    """One model on the backend that --backend names; torch is imported only for its own."""
-    exact = not getattr(args, "inexact", False)
-    if getattr(args, "backend", None) == TORCH:
-        from specdec.backends.torch_backend import TorchBackend
-
-        return TorchBackend(path, dtype=args.dtype, n_ctx=args.ctx_size, n_threads=args.threads,
-                            max_sequences=n_slots, exact=exact)
-    from specdec.backends.llama_cpp import LlamaCppBackend
-
-    return LlamaCppBackend(path, n_ctx=args.ctx_size, n_threads=args.threads, max_sequences=n_slots, exact=exact)
-
-
-def load_engine(args: argparse.Namespace, n_slots: int = 1) -> Engine:
-    resolve_backend(args)
-    target_path = resolve_model(args.model, TARGET)
-    need_draft = not args.no_draft
-    draft_path = resolve_model(args.draft_model, DRAFT) if need_draft else None
-    target = load_backend(args, target_path, n_slots)
+def load_engine(config: ModelConfig, n_slots: int = 1) -> Engine:
+    target_path = resolve_model(config.target, TARGET)
+    draft_path = resolve_model(config.draft, DRAFT) if config.load_draft else None
+    target = load_backend(config, target_path, n_slots)
     draft = None
     if draft_path is not None:
         try:
-            draft = load_backend(args, draft_path, n_slots)
+            draft = load_backend(config, draft_path, n_slots)
         except BaseException:
             target.close()
             raise

@@ -1,22 +1,62 @@
-"""The real-pair tier: the default GGUF pair, loaded once for the whole tier."""
+"""The real-pair tier: the default GGUF pair, loaded once per backend for the whole tier.
+
+The default backend (the first installed of the registry's DEFAULT_ORDER, or SPECDEC_TEST_BACKEND)
+runs every test; the other installed llama.cpp-family backends run a sample (tests that take
+`each_engine` or `sampled_engine`), each loaded once for the session.
+"""
+import os
+
 import pytest
 
+from specdec.backends.registry import BackendConfig, ModelConfig, backend_entry, default_backend
 
-@pytest.fixture(scope="session")
-def real_engine():
-    from specdec.backends.llama_cpp import LlamaCppBackend
-    from specdec.engine.engine import Engine
+LLAMA_FAMILY = ("ik_llama.cpp", "llama.cpp")
+DEFAULT_BACKEND = os.environ.get("SPECDEC_TEST_BACKEND") or default_backend()
+SAMPLED_BACKENDS = [name for name in LLAMA_FAMILY if name != DEFAULT_BACKEND and backend_entry(name).installed()]
+
+
+def load_real_engine(backend: str):
+    """The default pair on `backend`, exact, with four slots (the server tests run concurrent sequences)."""
     from specdec.models.pull import verify_cached
     from specdec.models.registry import DRAFT, TARGET, default_path
+    from specdec.runtime import load_engine
 
     for spec in (TARGET, DRAFT):
         verify_cached(default_path(spec), spec)
-    # Four slots, so that the server test can run concurrent sequences on the same models.
-    target = LlamaCppBackend(default_path(TARGET), n_ctx=4096, max_sequences=4)
-    draft = LlamaCppBackend(default_path(DRAFT), n_ctx=4096, max_sequences=4)
-    engine = Engine(target, draft, n_slots=4)
-    yield engine
-    engine.close()
+    return load_engine(ModelConfig(BackendConfig.parse(backend), ctx_size=4096), n_slots=4)
+
+
+@pytest.fixture(scope="session")
+def engines():
+    """Engines by backend name, each loaded on first use and kept for the session."""
+    loaded = {}
+
+    def get(backend: str):
+        if backend not in loaded:
+            loaded[backend] = load_real_engine(backend)
+        return loaded[backend]
+
+    yield get
+    for engine in loaded.values():
+        engine.close()
+
+
+@pytest.fixture(scope="session")
+def real_engine(engines):
+    return engines(DEFAULT_BACKEND)
+
+
+@pytest.fixture(params=SAMPLED_BACKENDS)
+def sampled_engine(request, engines):
+    return engines(request.param)
+
+
+@pytest.fixture(params=[DEFAULT_BACKEND, *SAMPLED_BACKENDS])
+def each_engine(request, engines):
+    """The default backend's engine, then each sampled backend's."""
+    engine = engines(request.param)
+    assert engine.target.name == request.param
+    return engine
 
 
 def pytest_collection_modifyitems(items):

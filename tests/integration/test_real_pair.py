@@ -1,6 +1,7 @@
 """The real pair (Qwen2.5-Coder 1.5B target, 0.5B draft): greedy speculative output equals greedy
 plain output token for token (and seeded sampled output, for n-gram proposals), and batched
-verification logits equal one-token-step logits bit for bit, in the default (exact) mode."""
+verification logits equal one-token-step logits bit for bit, in the default (exact) mode.
+Everything on the default backend; a sample on each other llama.cpp-family backend."""
 import json
 import subprocess
 import sys
@@ -12,22 +13,32 @@ from specdec.types import GenerationRequest, SamplingParams, SpecConfig
 
 from spec_bench_prompts import spec_bench_prompts
 
-# 20 prompts over all six Spec-Bench categories.
+# 20 prompts over all six Spec-Bench categories; the first of each category on the sampled backends.
 PER_CATEGORY = {"mt_bench": 4, "translation": 4, "summarization": 3, "qa": 3, "math_reasoning": 3, "rag": 3}
 EQUALITY_PROMPTS = spec_bench_prompts(PER_CATEGORY)
+SAMPLE_PROMPTS = spec_bench_prompts({category: 1 for category in PER_CATEGORY})
 
 
-@pytest.mark.parametrize("category,prompt", EQUALITY_PROMPTS, ids=[f"{c}-{i}" for i, (c, _) in enumerate(EQUALITY_PROMPTS)])
-def test_greedy_speculative_equals_plain(real_engine, category, prompt):
-    prompt_ids = tuple(real_engine.encode_prompt(prompt, chat=True))
+def assert_greedy_speculative_equals_plain(engine, prompt):
+    prompt_ids = tuple(engine.encode_prompt(prompt, chat=True))
     outputs = {}
     for method, k in [("off", 0), ("ngram", 4), ("draft", 4), ("auto", 4)]:
-        result = real_engine.generate(GenerationRequest(prompt_ids, 64, spec=SpecConfig(method, k)))
+        result = engine.generate(GenerationRequest(prompt_ids, 64, spec=SpecConfig(method, k)))
         outputs[method] = result.token_ids
         assert result.stats["generated_tokens"] == len(result.token_ids) <= 64
     assert outputs["ngram"] == outputs["off"]
     assert outputs["draft"] == outputs["off"]
     assert outputs["auto"] == outputs["off"]
+
+
+@pytest.mark.parametrize("category,prompt", EQUALITY_PROMPTS, ids=[f"{c}-{i}" for i, (c, _) in enumerate(EQUALITY_PROMPTS)])
+def test_greedy_speculative_equals_plain(real_engine, category, prompt):
+    assert_greedy_speculative_equals_plain(real_engine, prompt)
+
+
+@pytest.mark.parametrize("category,prompt", SAMPLE_PROMPTS, ids=[c for c, _ in SAMPLE_PROMPTS])
+def test_greedy_speculative_equals_plain_on_the_other_backends(sampled_engine, category, prompt):
+    assert_greedy_speculative_equals_plain(sampled_engine, prompt)
 
 
 def test_seeded_sampling_gives_the_same_text_with_and_without_n_gram_drafting(real_engine):
@@ -51,36 +62,32 @@ def test_seeded_sampling_gives_the_same_text_with_and_without_n_gram_drafting(re
     assert accepted > 0 and drafted > accepted  # the n-gram path was exercised, rejections included
 
 
-def _batched_vs_steps(engine, prefix_ids, continuation):
-    """Logits of `continuation` evaluated in one batch, and one token at a time, after prefix_ids."""
-    seq = engine.target_sequence
-    seq.clear()
-    seq.prefill(prefix_ids)
-    batched = seq.extend(continuation)
-    seq.truncate(len(prefix_ids))
-    steps = np.concatenate([seq.extend([t]) for t in continuation])
-    seq.clear()
-    return batched, steps
-
-
 @pytest.mark.parametrize("context", ["short", "long"])
-def test_batched_logits_equal_one_step_logits_bit_for_bit(real_engine, context):
-    """For every draft length 1..8 (verification evaluates 1 + k tokens), each position's batched
+def test_batched_logits_equal_one_step_logits_bit_for_bit(each_engine, context):
+    """For every draft length 1..16 (verification evaluates 1 + k tokens), each position's batched
     logits equal its one-step logits exactly. `long` puts the KV cache past 512 cells, where
     llama.cpp's single-token attention would otherwise take a different (KV-split) path."""
     category = "mt_bench" if context == "short" else "summarization"
     prompt = next(p for c, p in EQUALITY_PROMPTS if c == category)
-    prefix = real_engine.encode_prompt(prompt, chat=True)
+    prefix = each_engine.encode_prompt(prompt, chat=True)
     if context == "long":
         assert len(prefix) > 600
-    continuation = real_engine.target.tokenize(" The quick brown fox jumps over the lazy dog again", add_special=False)
-    for k in range(1, 9):
-        tokens = continuation[: k + 1]
-        batched, steps = _batched_vs_steps(real_engine, prefix, tokens)
-        for position in range(len(tokens)):
-            assert np.array_equal(batched[position], steps[position]), (
-                f"k={k}: position {position} differs by up to {np.abs(batched[position] - steps[position]).max()}"
-            )
+    continuation = each_engine.target.tokenize(" The quick brown fox jumps over the lazy dog again and again until "
+                                               "the end of the day", add_special=False)[:17]
+    assert len(continuation) == 17
+    seq = each_engine.target_sequence
+    seq.clear()
+    seq.prefill(prefix)
+    steps = np.concatenate([seq.extend([t]) for t in continuation])  # [17, vocab]
+    try:
+        for k in range(1, 17):
+            seq.truncate(len(prefix))
+            batched = seq.extend(continuation[: k + 1])
+            for position in range(k + 1):
+                assert np.array_equal(batched[position], steps[position]), (
+                    f"k={k}: position {position} differs by up to {np.abs(batched[position] - steps[position]).max()}")
+    finally:
+        seq.clear()
 
 
 def test_chat_template_comes_from_the_gguf(real_engine):
@@ -103,15 +110,40 @@ def test_cli_generate_json(tmp_path):
     assert payload["stats"]["method"] == "ngram"
 
 
-def test_prefix_reuse_gives_the_logits_of_processing_from_scratch(real_engine):
+def test_sequences_verified_together_get_the_logits_each_gets_alone(each_engine):
+    """Continuous batching: three sequences of different lengths (one past 512 cells), verified in
+    one eval_many call, get bit for bit the logits each gets alone — whether the backend keeps a KV
+    stream per sequence in one context (mainline) or a context per sequence (ik_llama.cpp)."""
+    prompts = [next(p for c, p in EQUALITY_PROMPTS if c == category) for category in ("mt_bench", "summarization", "qa")]
+    ids = [each_engine.encode_prompt(prompt, chat=True) for prompt in prompts]
+    assert max(map(len, ids)) > 600
+    drafts = [each_engine.target.tokenize(text, add_special=False)[:5]
+              for text in (" def f(x): return x", " The article says that", " Canberra is the")]
+    sequences = [slot.target for slot in each_engine.slots[:3]]
+    alone = []
+    for seq, prompt_ids, draft in zip(sequences, ids, drafts):
+        seq.clear()
+        seq.prefill(prompt_ids)
+        alone.append(seq.extend(draft))
+        seq.clear()
+    for seq, prompt_ids in zip(sequences, ids):
+        seq.prefill(prompt_ids)
+    together = each_engine.target.eval_many([(seq.seq_id, len(seq), draft) for seq, draft in zip(sequences, drafts)])
+    for seq in sequences:
+        seq.clear()
+    for index, (mine, theirs) in enumerate(zip(alone, together)):
+        assert np.array_equal(mine, theirs), f"sequence {index}: up to {np.abs(mine - theirs).max()}"
+
+
+def test_prefix_reuse_gives_the_logits_of_processing_from_scratch(each_engine):
     """A prompt whose slot held another prompt sharing a prefix with it gets, bit for bit, the
     next-token logits of processing it from scratch: llama.cpp's results for a prompt position
     depend on the batch it was computed in, so prompts are processed in aligned chunks and only
     whole chunks are reused (engine/sequence.py)."""
     prompt = next(p for c, p in EQUALITY_PROMPTS if c == "summarization")
-    ids = real_engine.encode_prompt(prompt, chat=True)
-    detour = real_engine.target.tokenize(" Something else entirely, then more words.", add_special=False)
-    seq = real_engine.target_sequence
+    ids = each_engine.encode_prompt(prompt, chat=True)
+    detour = each_engine.target.tokenize(" Something else entirely, then more words.", add_special=False)
+    seq = each_engine.target_sequence
     alignment = seq.alignment
     assert alignment > 1
 
@@ -126,7 +158,7 @@ def test_prefix_reuse_gives_the_logits_of_processing_from_scratch(real_engine):
         return logits, reused
 
     scratch, _ = next_token_logits()
-    for shared in (37, 130, 301):
+    for shared in (37, 130, 301, len(ids) * 9 // 10):
         logits, reused = next_token_logits(ids[:shared] + detour)
         assert reused == shared // alignment * alignment
         assert np.array_equal(logits, scratch), f"shared prefix {shared}: up to {np.abs(logits - scratch).max()}"

@@ -117,7 +117,7 @@ def test_end_to_end_on_the_fake_backend(tmp_path):
 def test_draft_model_is_loaded_only_when_a_draft_configuration_runs(tmp_path):
     seen = []
     args = bench_args(tmp_path, "--methods", "off,ngram", "--warmup", "0")
-    run_bench(args, engine_factory=lambda a: seen.append(a.no_draft) or Engine(FakeBackend(seed=7)))
+    run_bench(args, engine_factory=lambda models: seen.append(not models.load_draft) or Engine(FakeBackend(seed=7)))
     assert seen == [True]
     args = bench_args(tmp_path, "--methods", "draft", "--no-draft", "--out", str(tmp_path / "other"))
     with pytest.raises(SpecdecError, match="--no-draft"):

@@ -10,12 +10,15 @@ import sys
 import pytest
 
 from fakes.clock import FakeClock
-from specdec import machine_profile, runtime
+from dataclasses import replace
+
+from specdec import runtime
 from specdec.backends.fake import FakeBackend
+from specdec.backends.registry import REGISTRY, BackendConfig
 from specdec.cli import build_parser, main
 from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
-from specdec.machine_profile import (MAX_SAVED_COST_MODELS, BackendConfig, best_speculative_rate, choose,
+from specdec.machine_profile import (MAX_SAVED_COST_MODELS, best_speculative_rate, choose,
                                      cost_models_path, load_or_calibrate, parse_configs, profile_entry, profile_path,
                                      save_cost_model, save_profile, saved_choice, saved_cost_model)
 from specdec.types import SpecdecError
@@ -54,18 +57,30 @@ def test_best_speculative_rate_when_verification_is_linear_and_without_a_draft_m
         best_speculative_rate(cost, 0.6, max_draft=0)
 
 
+def only_installed(monkeypatch, *names):
+    """Pretend that only these backends' libraries are installed."""
+    for name, entry in list(REGISTRY.items()):
+        monkeypatch.setitem(REGISTRY, name, replace(entry, installed=lambda name=name: name in names))
+
+
 def test_configuration_labels_parse_and_round_trip(monkeypatch):
-    for label in ("llama.cpp", "llama.cpp:inexact", "torch:bfloat16", "torch:float32:inexact"):
+    for label in ("ik_llama.cpp", "ik_llama.cpp:inexact", "llama.cpp", "llama.cpp:inexact", "torch:bfloat16",
+                  "torch:float32:inexact"):
         assert BackendConfig.parse(label).label == label
     assert BackendConfig.parse("torch") == BackendConfig("torch", "bfloat16", True)
     assert BackendConfig.parse("torch:inexact") == BackendConfig("torch", "bfloat16", False)
-    for bad in ("vllm", "torch:float16", "llama.cpp:float32"):
+    for bad in ("vllm", "torch:float16", "llama.cpp:float32", "ik_llama.cpp:bfloat16"):
         with pytest.raises(SpecdecError):
             BackendConfig.parse(bad)
     assert parse_configs("llama.cpp, torch:float32,llama.cpp") == [BackendConfig("llama.cpp"),
                                                                    BackendConfig("torch", "float32")]
-    monkeypatch.setattr(machine_profile, "find_spec", lambda name: name == "llama_cpp")
-    assert [c.label for c in parse_configs("all")] == ["llama.cpp", "llama.cpp:inexact"]
+    only_installed(monkeypatch, "llama.cpp", "ik_llama.cpp")
+    assert [c.label for c in parse_configs("all")] == ["ik_llama.cpp", "ik_llama.cpp:inexact", "llama.cpp",
+                                                       "llama.cpp:inexact"]
+    assert [c.label for c in parse_configs("exact")] == ["ik_llama.cpp", "llama.cpp"]
+    only_installed(monkeypatch)
+    with pytest.raises(SpecdecError, match="no backend is installed"):
+        parse_configs("all")
 
 
 def entry(label, step, per_token, draft_step=0.005):
@@ -98,8 +113,8 @@ def fake_engines(monkeypatch):
     records the configurations loaded and how many engines were open at once."""
     loaded, open_now, most_open = [], [0], [0]
 
-    def load_engine(args, n_slots=1):
-        label = BackendConfig.from_args(args).label
+    def load_engine(models, n_slots=1):
+        label = models.backend.label
         if label not in FAKE_COSTS:
             raise SpecdecError(f"{label} is not installed here")
         clock = FakeClock()
@@ -151,33 +166,57 @@ def test_calibrate_measures_each_configuration_in_turn_prints_a_table_and_saves_
     assert [e["config"] for e in profile["configs"]] == configs.split(",")
 
 
-def test_calibrate_without_configs_measures_the_named_one_and_fails_in_one_line_if_it_cannot(fake_engines, capsys):
+def test_calibrate_without_configs_measures_the_named_one_and_fails_in_one_line_if_it_cannot(fake_engines, capsys,
+                                                                                            monkeypatch):
     loaded, _ = fake_engines
+    only_installed(monkeypatch, "llama.cpp", "torch")
     assert main(["calibrate", "--backend", "llama.cpp", "--inexact"]) == 0
     assert loaded == ["llama.cpp:inexact"]
-    assert "default: llama.cpp (no exact configuration was measured)" in capsys.readouterr().out
+    assert "default: llama.cpp (the first installed backend: no exact configuration was measured)" in \
+        capsys.readouterr().out
     assert not profile_path().exists()  # no --save
     assert main(["calibrate", "--backend", "torch"]) == 2
     assert "torch:bfloat16 is not installed here" in capsys.readouterr().err
+
+
+def test_calibrate_if_missing_measures_the_exact_configurations_once_per_machine(fake_engines, monkeypatch, capsys):
+    loaded, _ = fake_engines
+    only_installed(monkeypatch, "llama.cpp", "torch")
+    command = ["calibrate", "--configs", "exact", "--save", "--if-missing"]
+    assert main(command) == 0
+    assert loaded == ["llama.cpp", "torch:float32"]  # torch:bfloat16 is measured too, and fails to load
+    assert saved_choice() == BackendConfig("torch", "float32")
+    assert main(command) == 0 and len(loaded) == 2
+    assert "profile is current (default torch:float32)" in capsys.readouterr().err
+    profile_path().unlink()
+    only_installed(monkeypatch, "llama.cpp")
+    assert main(command) == 0 and len(loaded) == 2 and not profile_path().exists()
+    assert "nothing to choose between" in capsys.readouterr().err
 
 
 def loaded_backend(monkeypatch, argv):
     """The (backend, dtype, inexact) that `specdec generate ARGV` would load its models with."""
     seen = []
 
-    def load_backend(args, path, n_slots=1):
-        seen.append((args.backend, args.dtype, args.inexact))
+    def load_backend(models, path, n_slots=1):
+        seen.append((models.backend.backend, models.backend.dtype, not models.backend.exact))
         return FakeBackend(seed=7)
 
     monkeypatch.setattr(runtime, "load_backend", load_backend)
     args = build_parser().parse_args(["generate", "x", "--model", "t.gguf", "--draft-model", "d.gguf", *argv])
-    runtime.load_engine(args).close()
+    runtime.load_engine(runtime.model_config(args)).close()
     assert len(set(seen)) == 1
     return seen[0]
 
 
 def test_a_command_without_backend_uses_the_choice_saved_on_this_machine(monkeypatch, capsys):
-    assert loaded_backend(monkeypatch, []) == ("llama.cpp", "bfloat16", False)  # no profile yet
+    only_installed(monkeypatch, "llama.cpp", "ik_llama.cpp", "torch")
+    assert loaded_backend(monkeypatch, []) == ("ik_llama.cpp", None, False)  # no profile yet: the first installed
+    only_installed(monkeypatch, "llama.cpp", "torch")
+    assert loaded_backend(monkeypatch, ["--inexact"]) == ("llama.cpp", None, True)
+    assert loaded_backend(monkeypatch, ["--backend", "torch"]) == ("torch", "bfloat16", False)
+    assert loaded_backend(monkeypatch, ["--backend", "torch", "--dtype", "float32"]) == ("torch", "float32", False)
+    assert loaded_backend(monkeypatch, ["--backend", "llama.cpp", "--dtype", "float32"]) == ("llama.cpp", None, False)
     entries = [entry(label, *FAKE_COSTS[label]) for label in ("llama.cpp", "torch:float32")]
     save_profile(entries, choose(entries))
     assert saved_choice() == BackendConfig("torch", "float32")
@@ -189,17 +228,21 @@ def test_a_command_without_backend_uses_the_choice_saved_on_this_machine(monkeyp
     profile["fingerprint"]["cpu"] = "another CPU"
     profile_path().write_text(json.dumps(profile))
     capsys.readouterr()
-    assert loaded_backend(monkeypatch, []) == ("llama.cpp", "bfloat16", False)
+    assert loaded_backend(monkeypatch, []) == ("llama.cpp", None, False)
     assert "another machine" in capsys.readouterr().err
     profile_path().write_text("{not json")
     assert loaded_backend(monkeypatch, [])[0] == "llama.cpp"
+    only_installed(monkeypatch)
+    with pytest.raises(SpecdecError, match="no backend is installed"):
+        loaded_backend(monkeypatch, [])
 
 
-def test_resolving_the_default_backend_does_not_import_torch(specdec_home):
-    code = ("import argparse, sys; from specdec.runtime import resolve_backend; "
-            "args = argparse.Namespace(backend=None, dtype='bfloat16'); resolve_backend(args); "
-            "assert args.backend == 'llama.cpp'; "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+def test_resolving_the_default_backend_loads_no_library(specdec_home):
+    code = ("import argparse, sys; from specdec.runtime import backend_config; "
+            "args = argparse.Namespace(backend=None, dtype=None, inexact=False); "
+            "assert backend_config(args).backend in ('ik_llama.cpp', 'llama.cpp', 'torch'); "
+            "assert not {'torch', 'transformers', 'llama_cpp'} & set(sys.modules); "
+            "assert 'specdec.backends.llama_family' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -62,7 +62,7 @@ class Slow(FakeBackend):
         time.sleep(0.005)
         return super().eval(*args, **kwargs)
 
-specdec.runtime.load_engine = lambda args, n_slots=1: Engine(Slow(seed=7), FakeBackend(seed=7, noise=0.6), n_slots=n_slots)
+specdec.runtime.load_engine = lambda models, n_slots=1: Engine(Slow(seed=7), FakeBackend(seed=7, noise=0.6), n_slots=n_slots)
 from specdec.cli import main
 sys.exit(main(sys.argv[1:]))
 """

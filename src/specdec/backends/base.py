@@ -8,8 +8,10 @@ drafts). It knows nothing of drafting or acceptance. Callers track which tokens 
 from __future__ import annotations
 
 import hashlib
+import os
 from abc import ABC, abstractmethod
-from typing import Sequence
+from pathlib import Path
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -77,22 +79,49 @@ class Backend(ABC):
         pass
 
 
-def aligned_chunks(start: int, count: int, alignment: int) -> list[tuple[int, int]]:
+def aligned_chunks(start: int, count: int, alignment: int, max_rows: Optional[int] = None) -> list[tuple[int, int]]:
     """(offset, length) of the chunks that evaluate positions start..start+count-1 when every chunk
-    must end at a multiple of `alignment` (the last may end anywhere).
+    but the last must end at a multiple of `alignment` and hold at most `max_rows` rows (default:
+    `alignment`; a multiple of it).
 
     Every position is then computed in the same chunk, of the same rows, whatever prefix of the
     prompt was already cached — as long as the cached prefix is a whole number of chunks.
-    Example: start 128, count 150, alignment 64 -> [(0, 64), (64, 64), (128, 22)].
+    Example: start 128, count 150, alignment 64 -> [(0, 64), (64, 64), (128, 22)];
+    with max_rows 128 -> [(0, 128), (128, 22)]; start 100 -> the first chunk ends at 128.
     """
+    if count <= 0:
+        return []
     if alignment <= 1:
-        return [(0, count)] if count else []
-    ends = [*range((start // alignment + 1) * alignment, start + count, alignment), start + count]
-    chunks, position = [], start
-    for end in ends:
-        chunks.append((position - start, end - position))
-        position = end
-    return [chunk for chunk in chunks if chunk[1] > 0]
+        size = max_rows or count
+        return [(offset, min(size, count - offset)) for offset in range(0, count, size)]
+    limit = max_rows or alignment
+    if limit % alignment:
+        raise ValueError(f"max_rows ({limit}) must be a multiple of the alignment ({alignment})")
+    chunks, position, end = [], start, start + count
+    while position < end:
+        stop = min(end, position + limit)
+        if stop < end:
+            stop = stop // alignment * alignment  # > position, since limit >= alignment
+        chunks.append((position - start, stop - position))
+        position = stop
+    return chunks
+
+
+def default_threads() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def check_gguf_file(path: Path) -> None:
+    if not path.exists():
+        raise SpecdecError(f"model file {path} does not exist.")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise SpecdecError(f"model file {path} is not a GGUF file.")
 
 
 def check_draft_compatible(target: Backend, draft: Backend) -> None:

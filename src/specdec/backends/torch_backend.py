@@ -32,8 +32,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from specdec.backends.base import Backend, aligned_chunks
-from specdec.backends.llama_cpp import check_gguf_file, default_threads
+from specdec.backends.base import Backend, aligned_chunks, check_gguf_file, default_threads
 from specdec.types import SpecdecError
 
 DTYPES = ("bfloat16", "float32")

@@ -16,6 +16,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
+from specdec.backends.base import default_threads
+from specdec.backends.registry import TORCH
 from specdec.bench.datasets import SPEC_BENCH, load_prompts, spec_bench_path
 from specdec.bench.peers import (HF_ASSISTED, LLAMA_SERVER, RUN, parse_peers, peer_status, run_hf_assisted,
                                  run_llama_server)
@@ -77,9 +79,9 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
         raise SpecdecError("--warmup must be >= 0.")
     if args.temperature < 0:
         raise SpecdecError("--temperature must be >= 0.")
-    from specdec.runtime import resolve_backend
+    from specdec.runtime import model_config
 
-    resolve_backend(args)  # the backend is part of the run's settings: name it before recording them
+    models = model_config(args)  # the backend is part of the run's settings: named before they are recorded
     try:
         ks = [int(k) for k in _split([args.num_draft_tokens])] if args.num_draft_tokens else None
     except ValueError:
@@ -88,7 +90,8 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
     need_draft = any(c.method in ("draft", "auto") for c in configs)
     if need_draft and args.no_draft:
         raise SpecdecError("--no-draft contradicts the draft method in --methods.")
-    args.no_draft = not need_draft  # load the draft model only when a draft configuration runs
+    if not need_draft:
+        models = models.without_draft()  # load the draft model only when a draft configuration runs
     prompts = load_prompts(args.dataset, _split(args.categories) or None, args.per_category)
     peers = parse_peers(args.peer)
     settings = RunSettings(args.max_tokens, args.temperature, args.repeats, args.warmup, args.seed)
@@ -96,11 +99,11 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with RecordFile(out / RECORDS_FILE, resume=args.resume) as records:  # refuses to overwrite a run
-        meta = _merge_meta(out / META_FILE, _run_meta(args, prompts, configs), args.resume)
+        meta = _merge_meta(out / META_FILE, _run_meta(args, models, prompts, configs), args.resume)
         if records.dropped_torn_line:
             print(f"specdec bench: dropped a torn last line from {records.path}", file=sys.stderr)
         try:
-            _measure(args, engine_factory, prompts, configs, settings, records, meta, peers, need_draft, out)
+            _measure(args, models, engine_factory, prompts, configs, settings, records, meta, peers, need_draft, out)
         except KeyboardInterrupt:
             build_report(records.records, meta, peer_status(peers), out)
             print(f"specdec bench: interrupted; partial report in {out / 'report.md'}; "
@@ -111,11 +114,11 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
     return 0
 
 
-def _measure(args, engine_factory, prompts, configs, settings, records, meta, peers, need_draft, out) -> None:
+def _measure(args, models, engine_factory, prompts, configs, settings, records, meta, peers, need_draft, out) -> None:
     """Our configurations (the engine is loaded only if some are still missing), then the peers."""
     progress = not args.no_progress
     if pending(prompts, configs, settings.repeats, records):
-        engine = (engine_factory or _load_engine)(args)
+        engine = (engine_factory or _load_engine)(models)
         try:
             meta["engine"] = {"target": engine.target.describe(),
                               "draft": engine.draft.describe() if engine.draft is not None else None}
@@ -128,21 +131,21 @@ def _measure(args, engine_factory, prompts, configs, settings, records, meta, pe
     if peers.get(LLAMA_SERVER):
         target, draft = _model_paths(args, need_draft)
         draft_ks = [c.num_draft_tokens for c in configs if c.method == "draft"]
-        threads = args.threads or _usable_cores()  # the same threads as our engine's default
+        threads = args.threads or default_threads()  # the same threads as our engine's default
         run_llama_server(peers[LLAMA_SERVER], prompts, draft_ks, settings, records, target, draft,
                          out / "logs", args.ctx_size, threads, progress)
     if peer_status(peers)[HF_ASSISTED] == RUN:
         target, draft = _model_paths(args, need_draft)
         draft_ks = [c.num_draft_tokens for c in configs if c.method == "draft"]
         ngram_ks = [c.num_draft_tokens for c in configs if c.method == "ngram"] or [DEFAULT_NUM_DRAFT_TOKENS]
-        run_hf_assisted(prompts, draft_ks, ngram_ks, settings, records, target, draft, args.dtype, args.ctx_size,
-                        args.threads or _usable_cores(), progress=progress)
+        run_hf_assisted(prompts, draft_ks, ngram_ks, settings, records, target, draft,
+                        args.dtype or TORCH.dtypes[0], args.ctx_size, args.threads or default_threads(), progress=progress)
 
 
-def _load_engine(args: argparse.Namespace):
+def _load_engine(models):
     from specdec.runtime import load_engine
 
-    return load_engine(args)
+    return load_engine(models)
 
 
 def _model_paths(args: argparse.Namespace, need_draft: bool) -> tuple[str, Optional[str]]:
@@ -180,16 +183,9 @@ def _models_meta(args: argparse.Namespace, need_draft: bool) -> dict:
     return models
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def _machine() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "cores_usable": _usable_cores()}
+            "cores_usable": default_threads()}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -204,7 +200,7 @@ def _machine() -> dict:
     return info
 
 
-def _run_meta(args: argparse.Namespace, prompts, configs) -> dict:
+def _run_meta(args: argparse.Namespace, models, prompts, configs) -> dict:
     dataset = str(spec_bench_path()) if args.dataset == SPEC_BENCH else args.dataset
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -222,8 +218,8 @@ def _run_meta(args: argparse.Namespace, prompts, configs) -> dict:
         "configs": [c.label for c in configs],
         "model": args.model,
         "draft_model": args.draft_model,
-        "backend": args.backend,
-        "dtype": args.dtype if args.backend == "torch" else None,
+        "backend": models.backend.backend,
+        "dtype": models.backend.dtype,
         "models": _models_meta(args, any(c.method == "draft" for c in configs)),
         "machine": _machine(),
     }

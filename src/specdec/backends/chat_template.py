@@ -1,0 +1,26 @@
+"""Chat templates as Hugging Face writes them (Jinja in the GGUF's tokenizer.chat_template)."""
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+from specdec.types import SpecdecError
+
+
+def render_chat_template(template: str, messages: Sequence[dict]) -> str:
+    """Render a Hugging Face-style Jinja chat template, as transformers does, ending with the
+    assistant prompt."""
+    from jinja2 import BaseLoader
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, loader=BaseLoader())
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=list(messages), add_generation_prompt=True, tools=None)
+    except TemplateError as exc:
+        raise SpecdecError(f"the chat template refused the messages: {exc}") from None

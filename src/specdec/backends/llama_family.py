@@ -1,0 +1,201 @@
+"""One backend for the llama.cpp family (mainline llama.cpp, ik_llama.cpp), over a binding.
+
+The backend owns what the libraries have in common: loading a GGUF model, its contexts, the
+tokenizer and chat template, filling llama_batch rows and copying logits out. Each binding
+(bindings/) maps the library's own C API, and carries the kernel rules measured for it: how many
+rows a call may hold, how prompts are split, whether attention runs as flash attention, and
+whether every sequence needs a context of its own for its numbers to stay its own. The rows of
+each call come from decode_plan.plan_calls, a pure function of those rules.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from specdec.backends.base import Backend, check_gguf_file, default_threads
+from specdec.backends.bindings.base import ContextOptions, LlamaBinding
+from specdec.backends.chat_template import render_chat_template
+from specdec.backends.decode_plan import plan_calls
+from specdec.types import SpecdecError
+
+MIN_BATCH_CAPACITY = 64
+
+
+class LlamaFamilyBackend(Backend):
+    def __init__(
+        self,
+        binding: LlamaBinding,
+        model_path: str | Path,
+        *,
+        n_ctx: int = 4096,
+        n_threads: Optional[int] = None,
+        n_batch: int = 512,
+        max_sequences: int = 1,
+        exact: bool = True,
+    ):
+        path = Path(model_path)
+        check_gguf_file(path)
+        self._binding = binding
+        self.name = binding.name
+        self.model_path = path
+        self.exact = exact
+        self.rules = binding.rules(exact)
+        self.n_threads = n_threads or default_threads()
+        self.max_sequences = max_sequences
+        self.prefill_alignment = self.rules.prefill_alignment
+        self._contexts: list = []
+        self._batch = None
+        self._model = binding.load_model(path)
+        if not self._model:
+            raise SpecdecError(f"{self.name} could not load {path}: the file is corrupt or not a supported GGUF model.")
+        try:
+            self._open_contexts(n_ctx, n_batch)
+        except BaseException:
+            self.close()
+            raise
+        self._vocab = binding.vocab(self._model)
+        self.vocab_size = binding.n_vocab(self._vocab)
+        self.eog_token_ids = frozenset(t for t in range(self.vocab_size) if binding.is_eog(self._vocab, t))
+        self._batch_capacity = max(n_batch, MIN_BATCH_CAPACITY)
+        self._batch = binding.batch_init(self._batch_capacity, max(1, max_sequences))
+        self._pieces: dict[int, bytes] = {}
+        self._chat_template = self.metadata("tokenizer.chat_template")
+        self._lock = threading.Lock()  # one llama_decode at a time on this backend's contexts
+
+    def _open_contexts(self, n_ctx: int, n_batch: int) -> None:
+        """One context for all sequences (each with its own KV), or one per sequence sharing the weights."""
+        per_sequence = self.rules.context_per_sequence
+        sequences_per_context = 1 if per_sequence else self.max_sequences
+        options = ContextOptions(n_ctx=n_ctx * sequences_per_context, n_batch=n_batch, n_seq_max=sequences_per_context,
+                                 n_threads=self.n_threads, flash_attn=self.rules.flash_attn)
+        for _ in range(self.max_sequences if per_sequence else 1):
+            ctx = self._binding.new_context(self._model, options)
+            if not ctx:
+                raise SpecdecError(f"{self.name} could not create a context of {n_ctx} tokens for {self.model_path}.")
+            self._contexts.append(ctx)
+        self.n_ctx = min(self._binding.context_cells_per_sequence(ctx, sequences_per_context)
+                         for ctx in self._contexts)
+
+    def _context_of(self, seq_id: int) -> tuple[object, int]:
+        """(context, the sequence's id inside it)."""
+        if not 0 <= seq_id < self.max_sequences:
+            raise SpecdecError(f"sequence {seq_id} is out of range: this backend holds {self.max_sequences}.")
+        if self.rules.context_per_sequence:
+            return self._contexts[seq_id], 0
+        return self._contexts[0], seq_id
+
+    # -- metadata and tokenizer ---------------------------------------------------------------
+    def metadata(self, key: str) -> Optional[str]:
+        size = 1 << 16
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = self._binding.meta_val_str(self._model, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.value.decode("utf-8", errors="replace")
+            size = n + 1
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 16
+        buf = (ctypes.c_int32 * capacity)()
+        n = self._binding.tokenize(self._vocab, data, buf, capacity, add_special)
+        if n < 0:
+            capacity = -n
+            buf = (ctypes.c_int32 * capacity)()
+            n = self._binding.tokenize(self._vocab, data, buf, capacity, add_special)
+        return list(buf[:n])
+
+    def _piece(self, token_id: int, special: bool) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = self._binding.token_to_piece(self._vocab, token_id, buf, 64, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._binding.token_to_piece(self._vocab, token_id, buf, -n, special)
+        return buf.raw[:n]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Bytes of a token as text; control tokens (e.g. <|im_start|>) render as nothing."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self._piece(token_id, special=False)
+        return piece
+
+    def fingerprint_bytes(self, token_id: int) -> bytes:
+        return self._piece(token_id, special=True)
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+        if not self._chat_template:
+            raise SpecdecError(f"{self.model_path.name} has no chat template; use a raw completion prompt instead.")
+        return render_chat_template(self._chat_template, messages)
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def eval(self, seq_id: int, start: int, tokens: Sequence[int], *, prefill: bool = False) -> np.ndarray:
+        return self.eval_many([(seq_id, start, tokens)], prefill=prefill)[0]
+
+    def eval_many(self, requests: Sequence[tuple[int, int, Sequence[int]]], *, prefill: bool = False) -> list[np.ndarray]:
+        """Evaluate several sequences' tokens, in shared llama_decode calls where the rules allow."""
+        for seq_id, start, tokens in requests:
+            self._context_of(seq_id)
+            if start + len(tokens) > self.n_ctx:
+                raise SpecdecError(f"the sequence would exceed the context of {self.n_ctx} tokens.")
+        outputs: list[list[np.ndarray]] = [[] for _ in requests]
+        binding, batch = self._binding, self._batch
+        with self._lock:
+            for call in plan_calls(requests, prefill=prefill, rules=self.rules, capacity=self._batch_capacity):
+                ctx = self._context_of(call[0].seq_id)[0]
+                for i, row in enumerate(call):
+                    batch.token[i] = row.token
+                    batch.pos[i] = row.position
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = self._context_of(row.seq_id)[1]
+                    batch.logits[i] = not prefill
+                batch.n_tokens = len(call)
+                rc = binding.decode(ctx, batch, self.rules)
+                if rc != 0:
+                    raise SpecdecError(f"llama_decode failed with code {rc} (no room left in the KV cache?).")
+                if prefill:
+                    continue
+                for i, row in enumerate(call):
+                    logits = binding.logits_ith(ctx, i)
+                    outputs[row.request].append(np.ctypeslib.as_array(logits, shape=(self.vocab_size,)).copy())
+        empty = np.zeros((0, self.vocab_size), dtype=np.float32)
+        return [np.stack(rows) if rows else empty for rows in outputs]
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        ctx, local_id = self._context_of(seq_id)
+        with self._lock:
+            self._binding.seq_rm(ctx, local_id, length)
+
+    def describe(self) -> dict:
+        return {
+            **super().describe(),
+            "model": str(self.model_path),
+            "threads": self.n_threads,
+            "exact": self.exact,
+            "flash_attn": self.rules.flash_attn,
+            "max_decode_rows": self.rules.max_decode_rows,
+            "context_per_sequence": self.rules.context_per_sequence,
+        }
+
+    def close(self) -> None:
+        binding = self._binding
+        if self._batch is not None:
+            binding.batch_free(self._batch)
+            self._batch = None
+        while self._contexts:
+            binding.free_context(self._contexts.pop())
+        if self._model:
+            binding.free_model(self._model)
+            self._model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,156 @@
+"""Backends by name, and the model configuration a command parses once from its options.
+
+A backend is registered with how to tell whether its libraries are installed (looked up, never
+imported: `specdec --help` must not load torch) and how to load one model on it. Adding a backend
+is one entry here plus its module; the command line, `specdec calibrate --configs all` and the
+per-machine choice (machine_profile.py) pick it up from the registry.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, replace
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Callable, Optional
+
+from specdec.backends.base import Backend
+from specdec.types import SpecdecError
+
+INEXACT = "inexact"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """How a command loads its models: backend configuration, files, context and threads."""
+
+    backend: "BackendConfig"
+    target: Optional[str] = None  # a GGUF file (or, for torch, a model folder); None: the pulled default
+    draft: Optional[str] = None
+    load_draft: bool = True
+    ctx_size: int = 4096
+    threads: Optional[int] = None  # None: every core this process may use
+
+    def with_backend(self, backend: "BackendConfig") -> "ModelConfig":
+        return replace(self, backend=backend)
+
+    def without_draft(self) -> "ModelConfig":
+        return replace(self, load_draft=False)
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    name: str
+    summary: str  # one line for --help
+    installed: Callable[[], bool]
+    load: Callable[[Path, ModelConfig, int], Backend]  # (model path, configuration, slots) -> backend
+    dtypes: tuple[str, ...] = ()  # --dtype choices, the first being the default; () where it does not apply
+
+
+REGISTRY: dict[str, BackendEntry] = {}
+
+
+def register(entry: BackendEntry) -> BackendEntry:
+    REGISTRY[entry.name] = entry
+    return entry
+
+
+def backend_entry(name: str) -> BackendEntry:
+    entry = REGISTRY.get(name)
+    if entry is None:
+        raise SpecdecError(f"unknown backend {name!r}; choose {', '.join(REGISTRY)}.")
+    return entry
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """A backend, its dtype (where it has a choice) and whether verification is exact."""
+
+    backend: str
+    dtype: Optional[str] = None
+    exact: bool = True
+
+    @property
+    def label(self) -> str:
+        """"ik_llama.cpp", "llama.cpp:inexact", "torch:bfloat16", "torch:float32:inexact"."""
+        return ":".join([self.backend, *([self.dtype] if self.dtype else []), *([] if self.exact else [INEXACT])])
+
+    @classmethod
+    def parse(cls, text: str) -> "BackendConfig":
+        backend, *rest = text.strip().split(":")
+        entry = backend_entry(backend)
+        exact = INEXACT not in rest
+        rest = [part for part in rest if part != INEXACT]
+        dtype = None
+        if entry.dtypes:
+            dtype = rest.pop(0) if rest else entry.dtypes[0]
+            if dtype not in entry.dtypes:
+                raise SpecdecError(f"unknown dtype {dtype!r} in {text!r}; choose {' or '.join(entry.dtypes)}.")
+        if rest:
+            raise SpecdecError(f"cannot read configuration {text!r}; e.g. {', '.join(example_labels())}.")
+        return cls(backend, dtype, exact)
+
+
+def example_labels() -> list[str]:
+    return [name + (":" + entry.dtypes[-1] if entry.dtypes else "") for name, entry in REGISTRY.items()] + \
+        [f"{next(iter(REGISTRY))}:{INEXACT}"]
+
+
+def installed_configs() -> list[BackendConfig]:
+    """Every configuration whose libraries are installed: each backend exact and inexact, per dtype."""
+    configs = []
+    for name, entry in REGISTRY.items():
+        if entry.installed():
+            configs += [BackendConfig(name, dtype, exact) for dtype in (entry.dtypes or (None,)) for exact in (True, False)]
+    return configs
+
+
+def default_backend() -> str:
+    """Without a saved per-machine choice: the first installed of DEFAULT_ORDER."""
+    for name in DEFAULT_ORDER:
+        if backend_entry(name).installed():
+            return name
+    raise SpecdecError(f"no backend is installed; run `make install` (it installs {DEFAULT_ORDER[0]}).")
+
+
+# -- the registered backends ------------------------------------------------------------------
+def _llama_family(binding_module: str) -> Callable[[Path, ModelConfig, int], Backend]:
+    def load(path: Path, config: ModelConfig, n_slots: int) -> Backend:
+        from specdec.backends.llama_family import LlamaFamilyBackend
+
+        binding = importlib.import_module(binding_module).binding()
+        return LlamaFamilyBackend(binding, path, n_ctx=config.ctx_size, n_threads=config.threads,
+                                  max_sequences=n_slots, exact=config.backend.exact)
+
+    return load
+
+
+def _load_torch(path: Path, config: ModelConfig, n_slots: int) -> Backend:
+    from specdec.backends.torch_backend import TorchBackend
+
+    return TorchBackend(path, dtype=config.backend.dtype, n_ctx=config.ctx_size, n_threads=config.threads,
+                        max_sequences=n_slots, exact=config.backend.exact)
+
+
+def _installed(binding_module: str) -> Callable[[], bool]:
+    def installed() -> bool:
+        return importlib.import_module(binding_module).installed()  # a lookup: loads no library
+
+    return installed
+
+
+IK_BINDING = "specdec.backends.bindings.ik_llama"
+MAINLINE_BINDING = "specdec.backends.bindings.llama_cpp_python"
+IK_LLAMA_CPP = register(BackendEntry(
+    "ik_llama.cpp", "ik_llama.cpp (PyPI ik-llama-cpp-python): CPU kernels whose batched rows cost little more than one",
+    _installed(IK_BINDING), _llama_family(IK_BINDING)))
+LLAMA_CPP = register(BackendEntry(
+    "llama.cpp", "mainline llama.cpp (llama-cpp-python, built for this CPU)",
+    _installed(MAINLINE_BINDING), _llama_family(MAINLINE_BINDING)))
+TORCH = register(BackendEntry(
+    "torch", "PyTorch + transformers, both models (pip install 'specdec[torch]')",
+    lambda: find_spec("torch") is not None and find_spec("transformers") is not None, _load_torch,
+    dtypes=("bfloat16", "float32")))
+
+# Measured (docs/benchmarks.md, "Backends"): the order in which commands without --backend and
+# without a saved per-machine choice look for an installed backend.
+DEFAULT_ORDER = ("ik_llama.cpp", "llama.cpp", "torch")
