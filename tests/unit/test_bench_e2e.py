@@ -225,3 +225,45 @@ def test_resume_after_a_kill_before_off_measures_the_waiting_configurations_agai
     records = read_records(tmp_path)
     assert len(records) == len(PROMPTS) * 2 * 2
     assert all(r["matches_off"] is True for r in records if r["config"] == "ngram")
+
+
+def test_a_compared_backend_runs_interleaved_with_its_own_off_and_is_reported_beside_the_peers(tmp_path):
+    """--compare-backend: a second engine (here a fake with other weights, standing for another
+    backend) runs every configuration too, interleaved per prompt; its configurations are compared
+    with its own off, and the report gives its speedup over its own off and over the first engine's."""
+    loaded = []
+
+    def factory(models):
+        loaded.append(models.backend.backend)
+        seed = 7 if len(loaded) == 1 else 11
+        return Engine(FakeBackend(seed=seed), FakeBackend(seed=seed, noise=0.6))
+
+    args = bench_args(tmp_path, "--methods", "ngram,draft", "--repeats", "2", "--warmup", "0",
+                      "--backend", "llama.cpp", "--compare-backend", "ik_llama.cpp")
+    run_bench(args, engine_factory=factory)
+    assert loaded == ["llama.cpp", "ik_llama.cpp"]
+    records = read_records(tmp_path)
+    other = "specdec@ik_llama.cpp"
+    assert {r["source"] for r in records} == {"specdec", other}
+    assert len(records) == 3 * 2 * 6
+    for prompt in ("p1", "p2", "p3"):
+        for repeat in (0, 1):
+            run = sorted((r for r in records if r["prompt_id"] == prompt and r["repeat"] == repeat),
+                         key=lambda r: r["order"])
+            labels = [r["config"] for r in run]
+            mine = ["off", "ngram", "draft", f"{other}:off", f"{other}:ngram", f"{other}:draft"]
+            assert labels == (mine if repeat == 0 else mine[::-1])  # interleaved, order alternating
+    theirs = [r for r in records if r["source"] == other and r["config"] != f"{other}:off"]
+    assert theirs and all(r["matches_off"] is True for r in theirs)  # against its own off: exact
+    own_off = {(r["prompt_id"], r["repeat"]): r["output_token_ids"] for r in records if r["config"] == "off"}
+    other_off = {(r["prompt_id"], r["repeat"]): r["output_token_ids"] for r in records if r["config"] == f"{other}:off"}
+    assert own_off != other_off  # other weights: comparing with the first engine's off would have failed
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["configs"] == ["off", "ngram", "draft"]
+    row = report["peers"][other]["configs"][f"{other}:draft"]
+    assert row["speedup_mean"] > 0 and row["speedup_vs_specdec_off"] > 0
+    assert row["identical_text_to_own_off"] == row["compared_with_own_off"] == 6
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["compare_backends"] == ["ik_llama.cpp"]
+    with pytest.raises(SpecdecError, match="already the backend"):
+        run_bench(bench_args(tmp_path, "--backend", "llama.cpp", "--compare-backend", "llama.cpp",
+                             "--out", str(tmp_path / "again")), engine_factory=factory)

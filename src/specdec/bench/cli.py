@@ -17,18 +17,20 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from specdec.backends.base import default_threads
-from specdec.backends.registry import TORCH
+from specdec.backends.registry import TORCH, BackendConfig, backend_entry
 from specdec.bench.datasets import SPEC_BENCH, load_prompts, spec_bench_path
 from specdec.bench.peers import (HF_ASSISTED, LLAMA_SERVER, RUN, parse_peers, peer_status, run_hf_assisted,
                                  run_llama_server)
 from specdec.bench.records import RECORDS_FILE, RecordFile
 from specdec.bench.report import build_report
-from specdec.bench.runner import Runner, RunSettings, parse_configs, pending
+from specdec.bench.runner import SOURCE, Runner, RunSettings, compared_source, on_backend, parse_configs, pending
 from specdec.types import DEFAULT_NUM_DRAFT_TOKENS, SpecdecError
 
 META_FILE = "meta.json"
 # Settings a resumed run must share with the run it continues (records would not be comparable).
-RESUME_FIXED = ("dataset", "max_tokens", "temperature", "seed", "model", "draft_model", "backend", "dtype")
+RESUME_FIXED = ("dataset", "max_tokens", "temperature", "seed", "model", "draft_model", "backend", "dtype",
+                "compare_backends")
+COMPARED_STATUS = "run in the same process, interleaved per prompt with specdec's configurations"
 
 
 def _split(values) -> list[str]:
@@ -61,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue the run in --out: measure only the (prompt, configuration, repeat) not yet recorded")
     parser.add_argument("--peer", action="append", default=[], metavar="PEER",
                         help="also measure llama-server=PATH (llama.cpp's server binary) or hf-assisted (repeatable)")
+    parser.add_argument("--compare-backend", action="append", default=[], metavar="BACKEND",
+                        help="also run every configuration on this backend's engine, loaded beside the first and "
+                             "interleaved with it per prompt (repeatable; labelled specdec@BACKEND:method)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_arguments(parser)
 
@@ -86,7 +91,13 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
         ks = [int(k) for k in _split([args.num_draft_tokens])] if args.num_draft_tokens else None
     except ValueError:
         raise SpecdecError("--num-draft-tokens takes comma-separated integers, e.g. 2,4.") from None
-    configs = parse_configs(_split([args.methods]), ks)
+    own = parse_configs(_split([args.methods]), ks)
+    compare = list(dict.fromkeys(_split(args.compare_backend)))
+    for backend in compare:
+        backend_entry(backend)  # an unknown name fails here, before anything loads
+        if backend == models.backend.backend:
+            raise SpecdecError(f"--compare-backend {backend} is already the backend measured.")
+    configs = own + [config for backend in compare for config in on_backend(own, backend)]
     need_draft = any(c.method in ("draft", "auto") for c in configs)
     if need_draft and args.no_draft:
         raise SpecdecError("--no-draft contradicts the draft method in --methods.")
@@ -99,45 +110,61 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with RecordFile(out / RECORDS_FILE, resume=args.resume) as records:  # refuses to overwrite a run
-        meta = _merge_meta(out / META_FILE, _run_meta(args, models, prompts, configs), args.resume)
+        meta = _merge_meta(out / META_FILE, _run_meta(args, models, compare, prompts, configs), args.resume)
         if records.dropped_torn_line:
             print(f"specdec bench: dropped a torn last line from {records.path}", file=sys.stderr)
         try:
-            _measure(args, models, engine_factory, prompts, configs, settings, records, meta, peers, need_draft, out)
+            _measure(args, models, compare, engine_factory, prompts, configs, settings, records, meta, peers,
+                     need_draft, out)
         except KeyboardInterrupt:
-            build_report(records.records, meta, peer_status(peers), out)
+            build_report(records.records, meta, _statuses(peers, compare), out)
             print(f"specdec bench: interrupted; partial report in {out / 'report.md'}; "
                   "run again with --resume to finish", file=sys.stderr)
             raise
-        build_report(records.records, meta, peer_status(peers), out)
+        build_report(records.records, meta, _statuses(peers, compare), out)
     print(f"specdec bench: report in {out / 'report.md'}", file=sys.stderr)
     return 0
 
 
-def _measure(args, models, engine_factory, prompts, configs, settings, records, meta, peers, need_draft, out) -> None:
-    """Our configurations (the engine is loaded only if some are still missing), then the peers."""
+def _statuses(peers: dict, compare: list[str]) -> dict[str, str]:
+    """The peers' status lines, and the compared backends' (reported beside the peers)."""
+    return {**peer_status(peers), **{compared_source(backend): COMPARED_STATUS for backend in compare}}
+
+
+def _measure(args, models, compare, engine_factory, prompts, configs, settings, records, meta, peers, need_draft,
+             out) -> None:
+    """Our configurations, on every compared backend too (the engines are loaded only if some
+    are still missing), then the peers."""
     progress = not args.no_progress
     if pending(prompts, configs, settings.repeats, records):
-        engine = (engine_factory or _load_engine)(models)
+        load = engine_factory or _load_engine
+        engine = load(models)
+        compared = {}
         try:
+            for backend in compare:
+                inexact = "" if models.backend.exact else ":inexact"
+                compared[compared_source(backend)] = load(models.with_backend(BackendConfig.parse(backend + inexact)))
             meta["engine"] = {"target": engine.target.describe(),
                               "draft": engine.draft.describe() if engine.draft is not None else None}
+            meta["compared_engines"] = {source: other.target.describe() for source, other in compared.items()}
             _write_meta(out / META_FILE, meta)
-            counts = Runner(engine, configs, settings, records, progress=progress).run(prompts)
+            counts = Runner(engine, configs, settings, records, progress=progress, compared=compared).run(prompts)
         finally:
-            engine.close()  # before any peer starts: the two must not share the cores or the memory
+            for each in (engine, *compared.values()):
+                each.close()  # before any peer starts: they must not share the cores or the memory
         print(f"specdec bench: {counts['measured']} generations measured, {counts['failed']} failed, "
               f"{counts['skipped']} already recorded", file=sys.stderr)
     if peers.get(LLAMA_SERVER):
         target, draft = _model_paths(args, need_draft)
-        draft_ks = [c.num_draft_tokens for c in configs if c.method == "draft"]
+        draft_ks = [c.num_draft_tokens for c in configs if c.method == "draft" and c.source == SOURCE]
         threads = args.threads or default_threads()  # the same threads as our engine's default
         run_llama_server(peers[LLAMA_SERVER], prompts, draft_ks, settings, records, target, draft,
                          out / "logs", args.ctx_size, threads, progress)
     if peer_status(peers)[HF_ASSISTED] == RUN:
         target, draft = _model_paths(args, need_draft)
-        draft_ks = [c.num_draft_tokens for c in configs if c.method == "draft"]
-        ngram_ks = [c.num_draft_tokens for c in configs if c.method == "ngram"] or [DEFAULT_NUM_DRAFT_TOKENS]
+        draft_ks = [c.num_draft_tokens for c in configs if c.method == "draft" and c.source == SOURCE]
+        ngram_ks = [c.num_draft_tokens for c in configs if c.method == "ngram" and c.source == SOURCE] or \
+            [DEFAULT_NUM_DRAFT_TOKENS]
         run_hf_assisted(prompts, draft_ks, ngram_ks, settings, records, target, draft,
                         args.dtype or TORCH.dtypes[0], args.ctx_size, args.threads or default_threads(), progress=progress)
 
@@ -200,7 +227,7 @@ def _machine() -> dict:
     return info
 
 
-def _run_meta(args: argparse.Namespace, models, prompts, configs) -> dict:
+def _run_meta(args: argparse.Namespace, models, compare, prompts, configs) -> dict:
     dataset = str(spec_bench_path()) if args.dataset == SPEC_BENCH else args.dataset
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -220,6 +247,7 @@ def _run_meta(args: argparse.Namespace, models, prompts, configs) -> dict:
         "draft_model": args.draft_model,
         "backend": models.backend.backend,
         "dtype": models.backend.dtype,
+        "compare_backends": compare,
         "models": _models_meta(args, any(c.method == "draft" for c in configs)),
         "machine": _machine(),
     }

@@ -303,18 +303,19 @@ def render_markdown(report: dict) -> str:
     lines += ["", "## Decisions (rounds per proposal: source and length, or none)", ""]
     lines += _decisions(report)
     lines += ["", "## Peers (same prompts, same run)", "",
-              "| peer | config | n | decode tok/s median | IQR | speedup vs its no-draft run | speedup vs specdec off "
-              "| acc. rate | text identical to its no-draft run |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| peer | config | n | decode tok/s median | IQR | speedup vs its no-draft run (mean tok/s) "
+              "| (median per-prompt) | speedup vs specdec off | acc. rate | text identical to its no-draft run |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for peer, info in report["peers"].items():
         if not info["configs"]:
-            lines.append(f"| {peer} | — | — | {info['status']} | — | — | — | — | — |")
+            lines.append(f"| {peer} | — | — | {info['status']} | — | — | — | — | — | — |")
         for config, row in info["configs"].items():
             tps = row["decode_tps"]
             n = f"{row['succeeded']}" + (f" ({row['failed']} failed)" if row["failed"] else "")
             lines.append(
                 f"| {peer} | {config} | {n} | {_fmt(tps['median'])} | {_range(tps, 'p25', 'p75')} "
-                f"| {_fmt(row['speedup_mean'], '.2f', '×')} | {_fmt(row['speedup_vs_specdec_off'], '.2f', '×')} "
+                f"| {_fmt(row['speedup_mean'], '.2f', '×')} | {_fmt(row['speedup_median'], '.2f', '×')} "
+                f"| {_fmt(row['speedup_vs_specdec_off'], '.2f', '×')} "
                 f"| {_fmt(row['acceptance_rate'])} "
                 f"| {row['identical_text_to_own_off']}/{row['compared_with_own_off'] if row['compared_with_own_off'] else '—'} |"
             )

@@ -9,8 +9,14 @@ generation the engine forgets all cross-request state (`reset_between_generation
 configuration reuses the cache or the text of another. A generation that fails becomes a record
 with success = false; the benchmark itself never raises on one.
 
-A greedy configuration measured before `off` waits in memory until `off` of its prompt and repeat
-is recorded, then is compared and written (a run killed in between measures it again on resume).
+Other backends can be measured in the same run (`--compare-backend`): each gets an engine of its
+own, loaded beside the first, and its configurations (labelled `specdec@BACKEND:method`, with
+their own `off`) are interleaved with the first engine's per prompt, so backends are compared
+under the same drifts of the machine, not minutes apart.
+
+A greedy configuration measured before its `off` waits in memory until that `off` of its prompt
+and repeat is recorded, then is compared and written (a run killed in between measures it again
+on resume).
 After a greedy configuration's output differs from `off`'s for the same prompt and repeat, the
 runner re-evaluates the target at the first differing position, outside the timed region, and
 stores the target's logit margin there (top-1 minus top-2): a margin near zero means the two
@@ -42,11 +48,28 @@ SOURCE = "specdec"
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One measured configuration: a method and its draft length, labelled `method` or `method:kK`."""
+    """One measured configuration: a method and its draft length, labelled `method` or `method:kK`
+    (`specdec@BACKEND:method` on a compared backend's engine)."""
 
     label: str
     method: str
     num_draft_tokens: int
+    source: str = SOURCE  # whose engine runs it: "specdec", or "specdec@BACKEND"
+
+    @property
+    def baseline(self) -> str:
+        """The label of the `off` this configuration is compared with."""
+        return BASELINE if self.source == SOURCE else f"{self.source}:{BASELINE}"
+
+
+def compared_source(backend: str) -> str:
+    return f"{SOURCE}@{backend}"
+
+
+def on_backend(configs: Sequence[BenchConfig], backend: str) -> list[BenchConfig]:
+    """The same configurations on another backend's engine. Example: auto -> specdec@llama.cpp:auto."""
+    source = compared_source(backend)
+    return [BenchConfig(f"{source}:{c.label}", c.method, c.num_draft_tokens, source) for c in configs]
 
 
 @dataclass(frozen=True)
@@ -152,7 +175,8 @@ def pending(prompts: Sequence[BenchPrompt], configs: Sequence[BenchConfig], repe
 
 
 class Runner:
-    """Runs the plan against one engine, appending one record per (prompt, configuration, repeat)."""
+    """Runs the plan, appending one record per (prompt, configuration, repeat). `engine` runs the
+    configurations of source "specdec"; `compared` maps "specdec@BACKEND" to another engine."""
 
     def __init__(
         self,
@@ -162,9 +186,13 @@ class Runner:
         records: RecordFile,
         clock: Callable[[], float] = time.perf_counter,
         progress: bool = True,
+        compared: Optional[dict] = None,
     ):
         if not configs or configs[0].label != BASELINE:
             raise ValueError("the first configuration must be the baseline `off`")
+        self.engines = {SOURCE: engine, **(compared or {})}
+        if any(config.source not in self.engines for config in configs):
+            raise ValueError("a configuration's source has no engine")
         self.engine = engine
         self.configs = list(configs)
         self.settings = settings
@@ -179,52 +207,55 @@ class Runner:
         counts["skipped"] = counts["planned"] - len(todo)
         if not todo:
             return counts
-        if any(config.method == "auto" for config in self.configs) and self.engine.cost_model is None:
-            self.engine.calibrate()  # before any timed generation: `auto` would otherwise calibrate inside one
+        for source, engine in self.engines.items():
+            if engine.cost_model is None and any(c.method == "auto" and c.source == source for c in self.configs):
+                engine.calibrate()  # before any timed generation: `auto` would otherwise calibrate inside one
         self.warm_up(prompts)
         from tqdm import tqdm
 
-        encoded: dict[str, object] = {}
+        encoded: dict[tuple[str, str], object] = {}
         waiting_for_off: list[tuple[dict, BenchPrompt, object]] = []  # measured before off of their (prompt, repeat)
         with tqdm(total=len(todo), unit="gen", desc="bench", file=sys.stderr, disable=not self.progress,
                   dynamic_ncols=True) as bar:
             for prompt, repeat, config in todo:
                 bar.set_postfix_str(f"{prompt.category}/{prompt.id} {config.label} r{repeat}", refresh=False)
-                if prompt.id not in encoded:
-                    encoded[prompt.id] = self._encode(prompt)
-                record = self.measure(prompt, encoded[prompt.id], config, repeat)
-                self._record(record, prompt, encoded[prompt.id], waiting_for_off)
+                key = (config.source, prompt.id)  # engines may tokenize differently
+                if key not in encoded:
+                    encoded[key] = self._encode(prompt, self.engines[config.source])
+                record = self.measure(prompt, encoded[key], config, repeat)
+                self._record(record, config, prompt, encoded[key], waiting_for_off)
                 counts["measured"] += 1
                 if not record["success"]:
                     counts["failed"] += 1
                     bar.write(f"prompt {prompt.id}, {config.label}, repeat {repeat} failed: {record['error']}",
                               file=sys.stderr)
                 bar.update(1)
-        for record, _, _ in waiting_for_off:  # only if off itself was never measured: nothing to compare with
+        for _, record, _, _, _ in waiting_for_off:  # only if off itself was never measured: nothing to compare with
             self.records.append(record)
         return counts
 
-    def _record(self, record: dict, prompt: BenchPrompt, prompt_ids, waiting_for_off: list) -> None:
-        """Write `record`, compared with off first; one measured before off waits for it."""
-        key = (prompt.id, record["repeat"])
-        if record["config"] == BASELINE:
+    def _record(self, record: dict, config: BenchConfig, prompt: BenchPrompt, prompt_ids, waiting_for_off: list) -> None:
+        """Write `record`, compared with its off first; one measured before that off waits for it."""
+        key = (prompt.id, record["repeat"], config.baseline)
+        if record["config"] == config.baseline:
             self.records.append(record)
-            ready = [item for item in waiting_for_off if (item[0]["prompt_id"], item[0]["repeat"]) == key]
-            waiting_for_off[:] = [item for item in waiting_for_off if (item[0]["prompt_id"], item[0]["repeat"]) != key]
-        elif record["success"] and self.settings.greedy and self.records.find((prompt.id, BASELINE, record["repeat"])) is None:
-            waiting_for_off.append((record, prompt, prompt_ids))
+            ready = [item for item in waiting_for_off if item[0] == key]
+            waiting_for_off[:] = [item for item in waiting_for_off if item[0] != key]
+        elif record["success"] and self.settings.greedy and \
+                self.records.find((prompt.id, config.baseline, record["repeat"])) is None:
+            waiting_for_off.append((key, record, config, prompt, prompt_ids))
             return
         else:
-            ready = [(record, prompt, prompt_ids)]
-        for waiting, its_prompt, its_ids in ready:
+            ready = [(key, record, config, prompt, prompt_ids)]
+        for _, waiting, its_config, its_prompt, its_ids in ready:
             if waiting["success"]:
-                self._compare_with_off(waiting, its_prompt, its_ids, waiting["repeat"])
+                self._compare_with_off(waiting, its_config, its_prompt, its_ids, waiting["repeat"])
             self.records.append(waiting)
 
     # -- one generation ----------------------------------------------------------------------
-    def _encode(self, prompt: BenchPrompt):
+    def _encode(self, prompt: BenchPrompt, engine):
         try:
-            return list(self.engine.encode_prompt(list(prompt.messages), chat=True))
+            return list(engine.encode_prompt(list(prompt.messages), chat=True))
         except Exception as exc:  # recorded with every configuration of this prompt
             return exc
 
@@ -238,8 +269,9 @@ class Runner:
         )
 
     def measure(self, prompt: BenchPrompt, prompt_ids, config: BenchConfig, repeat: int) -> dict:
+        engine = self.engines[config.source]
         record = {
-            "source": SOURCE,
+            "source": config.source,
             "prompt_id": prompt.id,
             "category": prompt.category,
             "config": config.label,
@@ -264,9 +296,9 @@ class Runner:
         record["prompt_tokens"] = len(prompt_ids)
         try:
             request = self.request(prompt_ids, config, repeat, self.settings.max_tokens)
-            reset_between_generations(self.engine)
+            reset_between_generations(engine)
             started = self.clock()
-            result = self.engine.generate(request)
+            result = engine.generate(request)
             record["wall_seconds"] = self.clock() - started
         except Exception as exc:
             record["error"] = f"{type(exc).__name__}: {exc}"
@@ -275,8 +307,8 @@ class Runner:
                       finish_reason=result.finish_reason, stats=dict(result.stats))
         return record
 
-    def _compare_with_off(self, record: dict, prompt: BenchPrompt, prompt_ids, repeat: int) -> None:
-        off = self.records.find((prompt.id, BASELINE, repeat))
+    def _compare_with_off(self, record: dict, config: BenchConfig, prompt: BenchPrompt, prompt_ids, repeat: int) -> None:
+        off = self.records.find((prompt.id, config.baseline, repeat))
         if off is None or not off.get("success") or not self.settings.greedy:
             return  # equality is only meaningful against a successful greedy baseline
         off_tokens = off["output_token_ids"]
@@ -289,7 +321,7 @@ class Runner:
         tokens = record["output_token_ids"]
         record["token"] = tokens[position] if position < len(tokens) else None
         try:
-            margin, argmax = target_logit_margin(self.engine, prompt_ids, off_tokens, position)
+            margin, argmax = target_logit_margin(self.engines[config.source], prompt_ids, off_tokens, position)
             record["target_logit_margin"] = margin
             record["target_argmax_at_diff"] = argmax
         except Exception as exc:
@@ -300,13 +332,14 @@ class Runner:
         """Run each configuration `warmup` times, unrecorded, on short generations."""
         for i in range(self.settings.warmup):
             prompt = prompts[i % len(prompts)]
-            prompt_ids = self._encode(prompt)
-            if isinstance(prompt_ids, Exception):
-                continue
             for config in self.configs:
+                engine = self.engines[config.source]
+                prompt_ids = self._encode(prompt, engine)
+                if isinstance(prompt_ids, Exception):
+                    continue
                 try:
-                    reset_between_generations(self.engine)
+                    reset_between_generations(engine)
                     max_tokens = min(self.settings.max_tokens, WARMUP_MAX_TOKENS)
-                    self.engine.generate(self.request(prompt_ids, config, 0, max_tokens))
+                    engine.generate(self.request(prompt_ids, config, 0, max_tokens))
                 except Exception as exc:
                     log.warning("warm-up of %s failed: %s", config.label, exc)
