@@ -21,7 +21,7 @@ import platform
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from specdec import __version__
 from specdec.backends.base import default_threads
@@ -31,19 +31,21 @@ from specdec.engine.cost_model import CostModel
 from specdec.models.registry import specdec_home
 from specdec.types import SpecdecError
 
-# Per-token acceptance assumed when pricing speculation: the adaptive policy's prior for the draft
-# model (AutoDrafter's draft_prior). Spec-Bench on this project's machine measured the default pair
-# at 0.71 (K = 2) and 0.57 (K = 4), n-gram lookup at 0.33 and 0.22 (docs/benchmarks.md).
-ASSUMED_ACCEPTANCE = 0.6
+# Per-token acceptance (each proposed token accepted once the ones before it were) assumed when
+# pricing speculation, per drafter: measured for the default pair on Spec-Bench (5 prompts x 6
+# categories, 128 tokens, K = 2, docs/benchmarks.md): mean acceptance length 1.65 for n-gram
+# lookup and 2.41 for the draft model, i.e. a + a^2 = 0.65 and 1.41 accepted per round.
+ASSUMED_ACCEPTANCE = {"ngram": 0.46, "draft": 0.78}
 PROFILE_FILE = "machine_profile.json"
 COST_MODELS_FILE = "cost_models.json"
 MAX_SAVED_COST_MODELS = 16  # setups remembered (machine + models + backend options); the oldest goes first
 DRAFTERS = ("ngram", "draft")
 
 
-def best_speculative_rate(cost: CostModel, acceptance: float, max_draft: int) -> dict:
+def best_speculative_rate(cost: CostModel, acceptance: Union[float, dict[str, float]], max_draft: int) -> dict:
     """Expected tokens/s of plain decoding and of the best proposal of 1..max_draft tokens, when
-    each proposed token is accepted with probability `acceptance` once the ones before it were.
+    each proposed token is accepted with probability `acceptance` (one for all drafters, or one
+    per drafter) once the ones before it were.
 
     A proposal of j tokens yields 1 + a + ... + a^j tokens (the target's own included) for t(1 + j)
     target seconds; a draft-model proposal also costs j draft steps, an n-gram one nothing. So at
@@ -61,7 +63,8 @@ def best_speculative_rate(cost: CostModel, acceptance: float, max_draft: int) ->
         if step is None:
             result[drafter] = None  # no draft model measured
             continue
-        rates = {j: expected_tokens([acceptance] * j) / (cost.target(1 + j) + j * step)
+        rate = acceptance[drafter] if isinstance(acceptance, dict) else acceptance
+        rates = {j: expected_tokens([rate] * j) / (cost.target(1 + j) + j * step)
                  for j in range(1, max_draft + 1)}
         length = max(rates, key=rates.get)
         result[drafter] = {"length": length, "tokens_per_second": rates[length]}
@@ -127,9 +130,9 @@ def choose(entries: list[dict]) -> Optional[str]:
 
 
 def format_table(entries: list[dict], chosen: Optional[str]) -> str:
-    a = ASSUMED_ACCEPTANCE
+    a = ", ".join(f"{drafter} {value}" for drafter, value in ASSUMED_ACCEPTANCE.items())
     header = ["config", "exact", "t(1) ms", "v(2)", "v(4)", "v(8)", "v(16)", "draft ratio", "plain tok/s",
-              f"best spec. tok/s @a={a}", f"draft model tok/s @a={a}", "bound tok/s @a=1", "chosen"]
+              "best spec. tok/s @measured a", "draft model tok/s @measured a", "bound tok/s @a=1", "chosen"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for entry in entries:
         if "error" in entry:
@@ -153,7 +156,7 @@ def format_table(entries: list[dict], chosen: Optional[str]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if chosen:
         lines.append(f"default: {chosen} (the exact configuration with the highest expected end-to-end tok/s, "
-                     f"plain or speculative at acceptance {a})")
+                     f"plain or speculative at the acceptance measured on Spec-Bench: {a})")
     else:
         lines.append(f"default: {default_backend()} (the first installed backend: no exact configuration was measured)")
     return "\n".join(lines)

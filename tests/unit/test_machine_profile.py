@@ -92,9 +92,12 @@ def entry(label, step, per_token, draft_step=0.005):
 def test_the_chooser_takes_the_fastest_exact_configuration_and_never_an_inexact_one():
     linear = entry("llama.cpp", 0.005, 0.045)  # plain 20 tok/s, speculation slower
     flat_but_lossy = entry("llama.cpp:inexact", 0.045, 0.005)  # the fastest of all
-    slower_step_cheap_verify = entry("torch:float32", 0.040, 0.015)  # plain 18.2, n-gram k=2 23.1 tok/s
+    # plain 1 / 0.055 = 18.2 tok/s; at the measured acceptance (n-gram 0.46, draft model 0.78, its
+    # step 5 ms) the best is the draft model at k = 2: (1 + 0.78 + 0.78^2) / (0.085 + 0.010) = 25.1 tok/s
+    slower_step_cheap_verify = entry("torch:float32", 0.040, 0.015)
     assert linear["end_to_end_tokens_per_second"] == pytest.approx(20.0)
-    assert slower_step_cheap_verify["end_to_end_tokens_per_second"] == pytest.approx(1.96 / 0.085)
+    assert slower_step_cheap_verify["end_to_end_tokens_per_second"] == pytest.approx((1 + 0.78 + 0.78 ** 2) / 0.095)
+    assert slower_step_cheap_verify["expected"]["ngram"] == {"length": 1, "tokens_per_second": pytest.approx(1.46 / 0.07)}
     assert flat_but_lossy["end_to_end_tokens_per_second"] > slower_step_cheap_verify["end_to_end_tokens_per_second"]
     assert choose([linear, flat_but_lossy, slower_step_cheap_verify]) == "torch:float32"
     assert choose([linear, flat_but_lossy]) == "llama.cpp"
@@ -155,7 +158,7 @@ def test_calibrate_measures_each_configuration_in_turn_prints_a_table_and_saves_
     table = out[out.index("| config"):].splitlines()
     rows = {line.split(" | ")[0].strip("| "): line for line in table if line.startswith("| ") and "config" not in line}
     assert rows["torch:float32"].rstrip().endswith("| yes |")
-    assert "23.06 (ngram k=2)" in rows["torch:float32"]
+    assert "25.14 (draft k=2)" in rows["torch:float32"]
     assert "| 20.00 |" in rows["llama.cpp"] and not rows["llama.cpp:inexact"].rstrip().endswith("yes |")
     assert "failed: torch:bfloat16 is not installed here" in rows["torch:bfloat16"]
     assert table[-1].startswith("default: torch:float32")
