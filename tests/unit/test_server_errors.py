@@ -64,7 +64,7 @@ def test_malformed_json_and_non_object_bodies(url):
     ({"min_p": 2}, "min_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "many"}, "max_tokens"),
-    ({"seed": 2**70}, "seed"),
+    ({"seed": 1.5}, "seed"),
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),

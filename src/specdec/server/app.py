@@ -7,14 +7,14 @@ from contextlib import asynccontextmanager
 from typing import Optional
 
 from fastapi import FastAPI
-from fastapi.openapi.utils import get_openapi
 
 import specdec
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.errors import APIError, error_response, install_error_handlers
 from specdec.server.metrics import HTTPMetricsMiddleware, ServerMetrics
-from specdec.server.routes import ServerState, router
+from specdec.server.openapi import openapi_document
+from specdec.server.routes import STREAM_CHUNKS, ServerState, router
 from specdec.server.scheduler import Scheduler
 
 OPEN_PATHS = frozenset({"/health"})
@@ -37,17 +37,11 @@ class APIKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema, less its 422 responses: validation errors here are OpenAI-style 400s."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        for operations in schema.get("paths", {}).values():
-            for operation in operations.values():
-                operation.get("responses", {}).pop("422", None)
-        for name in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(name, None)
-        app.openapi_schema = schema
-    return app.openapi_schema
+def cross_request_sizes(engine: Engine) -> tuple[int, int]:
+    """(tenants, n-grams) held by the engine's cross-request n-gram cache."""
+    # CrossRequestCache has no public size yet; read its table (a copy, taken under the GIL).
+    tables = list(getattr(engine.cross_request, "_tenants", {}).values())
+    return len(tables), sum(len(table) for table in tables)
 
 
 def create_app(engine: Engine, config: Optional[ServerConfig] = None) -> FastAPI:
@@ -55,6 +49,8 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None) -> FastAPI
     metrics = ServerMetrics(config.served_model_name)
     scheduler = Scheduler(engine, config, metrics)
     metrics.track_scheduler(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
+    metrics.track_caches(lambda: cross_request_sizes(engine)[0], lambda: cross_request_sizes(engine)[1],
+                         lambda: sum(len(slot.target.tokens) for slot in engine.slots))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -66,7 +62,7 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None) -> FastAPI
 
     app = FastAPI(title="specdec", version=getattr(specdec, "__version__", "0"), lifespan=lifespan,
                   description="OpenAI-compatible server with lossless speculative decoding.")
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: openapi_document(app, STREAM_CHUNKS)
     app.state.specdec = ServerState(engine, config, scheduler, metrics, int(time.time()))
     install_error_handlers(app)
     app.include_router(router)

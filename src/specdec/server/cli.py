@@ -1,7 +1,8 @@
 """`specdec serve`: the OpenAI-compatible server on the engine.
 
-SIGTERM (or Ctrl-C) drains: the server stops taking requests, in-flight ones finish, and whatever
-is still running after `--drain-grace` seconds is cancelled.
+SIGTERM (or Ctrl-C) drains (drain.py): new requests get 503 while the socket stays open, the
+requests in flight finish for up to `--drain-grace` seconds, the rest end with an error, and only
+then does the server stop listening.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a request may take; then its generation is cut (default 600)")
     parser.add_argument("--drain-grace", type=float, default=30.0,
                         help="seconds in-flight requests may run on after SIGTERM (default 30)")
+    parser.add_argument("--stall-timeout", type=float, default=120.0,
+                        help="seconds a backend call may take before the server reports itself unhealthy and fails "
+                             "the requests in flight (default 120)")
     parser.add_argument("--sequential-verify", action="store_true",
                         help="verify each stream in its own target forward instead of one batched forward for all "
                              "(slower with several streams; for backends whose batched logits are not exact)")
@@ -48,8 +52,10 @@ def build_config(args: argparse.Namespace, default_name: str) -> "ServerConfig":
                              ("--max-tokens", args.max_tokens, 1)):
         if value < low:
             raise SpecdecError(f"{flag} must be >= {low}.")
-    if args.request_timeout <= 0:
-        raise SpecdecError("--request-timeout must be > 0.")
+    for flag, value in (("--request-timeout", args.request_timeout), ("--stall-timeout", args.stall_timeout),
+                        ("--drain-grace", args.drain_grace)):
+        if value <= 0:
+            raise SpecdecError(f"{flag} must be > 0.")
     spec = SpecConfig(args.method, args.num_draft_tokens)
     spec.validate()
     if spec.method == "draft" and args.no_draft:
@@ -61,31 +67,16 @@ def build_config(args: argparse.Namespace, default_name: str) -> "ServerConfig":
         max_queue=args.max_queue,
         max_tokens=args.max_tokens,
         request_timeout=args.request_timeout,
+        stall_timeout=args.stall_timeout,
         batch_verify=not args.sequential_verify,
     )
-
-
-def make_server(app, host: str, port: int, drain_grace: float, log_level: str = "info"):
-    """A uvicorn server whose SIGTERM/SIGINT first closes the scheduler to new requests (503, and
-    /health answers 503 "draining"), then lets uvicorn wait up to `drain_grace` seconds for the
-    requests in flight before it cancels them."""
-    import uvicorn
-
-    scheduler = app.state.specdec.scheduler
-
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            scheduler.begin_drain()
-            super().handle_exit(sig, frame)
-
-    return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                         timeout_graceful_shutdown=drain_grace))
 
 
 def run(args: argparse.Namespace) -> int:
     from specdec.models.registry import TARGET, default_path
     from specdec.runtime import load_engine, model_config
     from specdec.server.app import create_app
+    from specdec.server.drain import make_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     default_name = Path(args.model).stem if args.model else default_path(TARGET).stem

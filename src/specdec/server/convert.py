@@ -35,7 +35,8 @@ def encode_prompt(engine: Engine, body: Union[ChatCompletionRequest, CompletionR
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             bad = [t for t in prompt if t >= engine.target.vocab_size]
             if bad:
-                raise bad_request(f"prompt: token id {bad[0]} is outside the vocabulary of {engine.target.vocab_size}.", "prompt")
+                raise bad_request(f"prompt: token id {bad[0]} is outside the vocabulary of {engine.target.vocab_size}.",
+                                  "prompt", "invalid_token_id")
             return list(prompt)
         source, chat = (prompt[0] if isinstance(prompt, list) else prompt), False
     try:

@@ -56,10 +56,26 @@ class ServerMetrics:
                              registry=registry)
         self.waiting = Gauge("specdec:num_requests_waiting", "Requests queued for a slot.", ["model_name"],
                              registry=registry)
+        self.backend_stalls = Counter("specdec:backend_stalls", "Times a backend call outlasted --stall-timeout.",
+                                      ["model_name"], registry=registry)
+        # What the server keeps between requests, to see that memory levels off (docs/server.md, soak).
+        self.ngram_cache_tenants = Gauge("specdec:ngram_cache_tenants", "Tenants in the cross-request n-gram cache.",
+                                         ["model_name"], registry=registry)
+        self.ngram_cache_entries = Gauge("specdec:ngram_cache_entries",
+                                         "N-grams in the cross-request cache, all tenants.", ["model_name"],
+                                         registry=registry)
+        self.prefix_cache_tokens = Gauge("specdec:prefix_cache_tokens", "Tokens held in the slots' target caches.",
+                                         ["model_name"], registry=registry)
 
     def track_scheduler(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
         self.running.labels(self.model_name).set_function(running)
         self.waiting.labels(self.model_name).set_function(waiting)
+
+    def track_caches(self, tenants: Callable[[], float], entries: Callable[[], float],
+                     prefix_tokens: Callable[[], float]) -> None:
+        self.ngram_cache_tenants.labels(self.model_name).set_function(tenants)
+        self.ngram_cache_entries.labels(self.model_name).set_function(entries)
+        self.prefix_cache_tokens.labels(self.model_name).set_function(prefix_tokens)
 
     # -- recording (thread-safe: called from the scheduler thread) ------------------------------
     def observe_first_token(self, seconds: float) -> None:
@@ -78,6 +94,9 @@ class ServerMetrics:
         self.num_accepted_tokens.labels(model, method).inc(stats.get("accepted_tokens", 0))
         for position, accepted in enumerate(stats.get("accepted_per_position", [])):
             self.accepted_per_pos.labels(model, method, str(position)).inc(accepted)
+
+    def observe_stall(self) -> None:
+        self.backend_stalls.labels(self.model_name).inc()
 
     def observe_http(self, path: str, status: int, seconds: float) -> None:
         route = path if path in ROUTES else "other"

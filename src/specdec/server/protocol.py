@@ -40,21 +40,35 @@ def _unsupported(annotation) -> Any:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="null")
+    # strict: a value of the wrong JSON type is refused (as OpenAI does), never coerced ("8" is no integer)
+    model_config = ConfigDict(extra="forbid", strict=True, ser_json_inf_nan="null")
 
 
+def _whole_number(value):
+    """JSON Schema counts 8.0 as an integer, so a request may send it; strict mode refuses any other float."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds) -> Any:
+    """An integer field (bounds as Field's ge/le); the bounds first, so that the schema shows them."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole_number)]
+
+
+Int = integer()
 Penalty = _neutral(Annotated[Optional[float], Field(allow_inf_nan=False)], "0", lambda v: v == 0, [{"const": 0}])
 Temperature = Annotated[Optional[float], Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[Optional[float], Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 MinP = Annotated[Optional[float], Field(ge=0.0, le=1.0, allow_inf_nan=False)]
-TopK = Annotated[Optional[int], Field(ge=-1, le=TOKEN_LIMIT, description="0 or -1 disables it")]
-Seed = Annotated[Optional[int], Field(ge=-(2**63), le=2**64 - 1)]
-MaxTokens = Annotated[Optional[int], Field(ge=1, le=TOKEN_LIMIT)]
+TopK = Annotated[Optional[integer(ge=-1, le=TOKEN_LIMIT)], Field(description="0 or -1 disables it")]
+# Any integer, taken modulo 2**64: a bound near 2**64 would not survive JSON Schema validators that
+# compare in floating point (schemathesis sent 2**64 + 383 as valid).
+Seed = Annotated[Optional[Int], Field(description="any integer (taken modulo 2**64)")]
+MaxTokens = Optional[integer(ge=1, le=TOKEN_LIMIT)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
 Stop = Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)], None]
 FalseOnly = _neutral(Optional[bool], "false", lambda v: v is False, [{"const": False}])
 EmptyList = _neutral(Optional[list[dict[str, Any]]], "an empty list", lambda v: not v, [{"type": "array", "maxItems": 0}])
-ZeroOnly = _neutral(Optional[int], "0", lambda v: v == 0, [{"const": 0}])
+ZeroOnly = _neutral(Optional[Int], "0", lambda v: v == 0, [{"const": 0}])
 NullOnly = _unsupported(Optional[Any])
 TextFormat = _neutral(Optional[dict[str, Any]], '{"type": "text"}', lambda v: v == {"type": "text"}, [{
     "type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"], "additionalProperties": False}])
@@ -74,7 +88,8 @@ def _only_one(value: Optional[int]) -> Optional[int]:
     return value
 
 
-N = Annotated[Optional[int], Field(ge=1, le=128), AfterValidator(_only_one)]
+N = Annotated[Optional[Int], AfterValidator(_only_one),
+              WithJsonSchema({"anyOf": [{"const": 1}, {"type": "null"}], "description": "only 1 is supported"})]
 
 
 class StreamOptions(_Strict):
@@ -85,7 +100,7 @@ class SpeculativeDecoding(_Strict):
     """Per-request speculation: `auto` is the engine's adaptive choice; no method means the server's."""
 
     method: Optional[Literal["draft", "ngram", "off", "auto"]] = None
-    num_speculative_tokens: Optional[int] = Field(None, ge=0, le=32)
+    num_speculative_tokens: Optional[integer(ge=0, le=32)] = None
 
 
 SpeculativeField = Annotated[
@@ -94,7 +109,16 @@ SpeculativeField = Annotated[
 ]
 
 
+# `stream_options` only with `stream: true`, in the schema as in the validator below.
+_STREAM_OPTIONS_NEED_STREAM = {
+    "if": {"not": {"required": ["stream"], "properties": {"stream": {"const": True}}}},
+    "then": {"properties": {"stream_options": {"type": "null"}}},
+}
+
+
 class _Request(_Strict):
+    model_config = ConfigDict(json_schema_extra=_STREAM_OPTIONS_NEED_STREAM)
+
     @field_validator("stream_options", check_fields=False)
     @classmethod
     def _stream_options_need_stream(cls, value, info):
@@ -160,7 +184,7 @@ class ChatCompletionRequest(_Request):
 
 
 # -- completions ---------------------------------------------------------------------------------
-PromptTokens = Annotated[list[Annotated[int, Field(ge=0, le=TOKEN_LIMIT)]], Field(min_length=1)]
+PromptTokens = Annotated[list[integer(ge=0, le=TOKEN_LIMIT)], Field(min_length=1)]
 
 
 def _one_prompt(value):
@@ -170,7 +194,9 @@ def _one_prompt(value):
 
 
 Prompt = Annotated[
-    Union[Annotated[str, Field(min_length=1)], Annotated[list[str], Field(min_length=1, max_length=1)], PromptTokens],
+    Union[Annotated[str, Field(min_length=1)],
+          Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)],
+          PromptTokens],
     BeforeValidator(_one_prompt),
     Field(description="a string, a list holding one string, or a list of token ids"),
 ]
@@ -179,7 +205,7 @@ Prompt = Annotated[
 class CompletionRequest(_Request):
     model: str
     prompt: Prompt
-    best_of: _neutral(Optional[int], "1", lambda v: v == 1, [{"const": 1}]) = None
+    best_of: _neutral(Optional[Int], "1", lambda v: v == 1, [{"const": 1}]) = None
     echo: FalseOnly = None
     frequency_penalty: Penalty = None
     logit_bias: LogitBias = None
@@ -293,13 +319,19 @@ class ModelList(BaseModel):
 
 
 class ErrorDetail(BaseModel):
+    """OpenAI's error object: all four keys, always (param and code may be null)."""
+
+    model_config = ConfigDict(extra="forbid")
     message: str
     type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
+    param: Optional[str]
+    code: Optional[str]
 
 
 class ErrorResponse(BaseModel):
+    """Every error body, and the one error event that ends a failed stream."""
+
+    model_config = ConfigDict(extra="forbid")
     error: ErrorDetail
 
 

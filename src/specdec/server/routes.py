@@ -7,28 +7,30 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Union
 
+import anyio
+import anyio.to_thread
 from fastapi import APIRouter, Request
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from specdec.drafters.history import tenant_of_api_key
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.convert import check_model, encode_prompt, generation_request
-from specdec.server.errors import APIError, error_body, json_response
+from specdec.server.errors import APIError, json_response
 from specdec.server.metrics import ServerMetrics
 from specdec.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-    ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, ErrorResponse, ModelCard, ModelList,
+    ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList,
     PromptTokensDetails, Usage,
 )
-from specdec.server.scheduler import Draining, Failed, QueueFull, Scheduler, Started, Ticket
-from specdec.server.sse import DONE, EventStreamResponse, sse_data
+from specdec.server.openapi import error_responses, event_stream_response
+from specdec.server.scheduler import Scheduler
+from specdec.server.sse import DONE, EventStreamResponse, sse_data, sse_error
+from specdec.server.tickets import Failed, QueueFull, Refused, Started, Ticket, queue_timeout_error
 from specdec.types import StreamEvent
 
-ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 503)}
-STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
-                  "description": "JSON, or with stream: true, server-sent events ending in `data: [DONE]`"}}
+ERRORS = error_responses()
+STREAM_CHUNKS = (ChatCompletionChunk, CompletionResponse)  # documented in openapi.py's event stream
 
 
 @dataclass
@@ -48,13 +50,13 @@ router = APIRouter()
 
 
 # -- plain routes ------------------------------------------------------------------------------
-@router.get("/health", summary="Liveness; 503 while draining")
+@router.get("/health", summary="Health: 503 with a reason while draining or while the backend is stalled")
 async def health(request: Request) -> Response:
-    state = state_of(request)
-    if state.scheduler.draining:
-        return json_response({"status": "draining"}, 503)
-    return json_response({"status": "ok", "running": state.scheduler.num_running,
-                          "waiting": state.scheduler.num_waiting})
+    scheduler = state_of(request).scheduler
+    health = scheduler.health()
+    if health.status != "ok":
+        return json_response({"status": health.status, "reason": health.reason}, 503)
+    return json_response({"status": "ok", "running": scheduler.num_running, "waiting": scheduler.num_waiting})
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,
@@ -78,13 +80,15 @@ async def get_model(model: str, request: Request) -> ModelCard:
 
 
 # -- completions -------------------------------------------------------------------------------
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**STREAMED, **ERRORS},
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+             responses={**event_stream_response(ChatCompletionChunk), **ERRORS},
              summary="Chat completion (stream: text/event-stream of chat.completion.chunk)")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await _complete(request, body, _ChatFormat(state_of(request).config.served_model_name))
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses={**STREAMED, **ERRORS},
+@router.post("/v1/completions", response_model=CompletionResponse,
+             responses={**event_stream_response(CompletionResponse), **ERRORS},
              summary="Text completion (stream: text/event-stream of text_completion chunks)")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _complete(request, body, _TextFormat(state_of(request).config.served_model_name))
@@ -168,18 +172,22 @@ def tenant_of(request: Request) -> str:
 async def _complete(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], fmt: Format) -> Response:
     state = state_of(request)
     check_model(body.model, state.config)
-    # Chat templates and tokenizers can take a while on long prompts: off the event loop.
-    prompt_ids = await run_in_threadpool(encode_prompt, state.engine, body)
-    gen_request = generation_request(state.engine, state.config, body, prompt_ids, tenant_of(request))
     try:
+        state.scheduler.check_accepting()  # before encoding a prompt nobody will generate from
+        # Chat templates and tokenizers can take a while on long prompts: off the event loop, and
+        # within the time limit (a stuck tokenizer must not hold the request forever).
+        with anyio.fail_after(state.config.request_timeout):
+            prompt_ids = await anyio.to_thread.run_sync(encode_prompt, state.engine, body, abandon_on_cancel=True)
+        gen_request = generation_request(state.engine, state.config, body, prompt_ids, tenant_of(request))
         ticket = state.scheduler.submit(gen_request, asyncio.get_running_loop())
     except QueueFull:
         raise APIError(429, "the server is at capacity: every slot is busy and the queue is full; retry later.",
                        "rate_limit_error", None, "queue_full",
                        {"Retry-After": str(state.config.retry_after)}) from None
-    except Draining:
-        raise APIError(503, "the server is shutting down and accepts no new requests.", "server_error", None,
-                       "shutting_down") from None
+    except Refused as refused:
+        raise refused.error from None
+    except TimeoutError:
+        raise queue_timeout_error(state.config.request_timeout, state.config.retry_after) from None
     watcher = asyncio.create_task(_cancel_on_disconnect(request, ticket))
     streaming = False
     try:
@@ -221,6 +229,10 @@ async def _collect(ticket: Ticket) -> tuple[str, StreamEvent]:
 
 
 async def _stream(ticket: Ticket, fmt: Format, include_usage: bool) -> AsyncIterator[bytes]:
+    """The chunks of a started generation, then `data: [DONE]`. A failure after the stream has
+    started (the backend failed or stalled, the drain's grace period ran out) can no longer change
+    the HTTP status: it ends the stream with ONE error event, `data: {"error": {...}}` (OpenAI's
+    shape, which the `openai` client raises as APIError), in place of the finish_reason chunk."""
     for chunk in fmt.opening():
         yield sse_data(chunk)
     while True:
@@ -228,8 +240,7 @@ async def _stream(ticket: Ticket, fmt: Format, include_usage: bool) -> AsyncIter
         if isinstance(item, Started):
             continue
         if isinstance(item, Failed):
-            error = item.error
-            yield sse_data(error_body(error.message, error.type, error.param, error.code))
+            yield sse_error(item.error)
             break
         if item.text:
             yield sse_data(fmt.chunk(item.text))

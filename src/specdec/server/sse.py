@@ -1,4 +1,5 @@
-"""Server-sent events: `data: {json}\n\n` per chunk and `data: [DONE]` at the end."""
+"""Server-sent events: `data: {json}\n\n` per chunk and `data: [DONE]` at the end; a failure
+after the stream started is one `data: {"error": {...}}` event before `data: [DONE]`."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,8 @@ from typing import Callable, Union
 
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
+
+from specdec.server.errors import APIError, error_body
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -17,6 +20,10 @@ def sse_data(payload: Union[BaseModel, dict]) -> bytes:
     else:
         body = json.dumps(payload, ensure_ascii=True, separators=(",", ":"))
     return b"data: " + body.encode("utf-8") + b"\n\n"
+
+
+def sse_error(error: APIError) -> bytes:
+    return sse_data(error_body(error.message, error.type, error.param, error.code))
 
 
 class EventStreamResponse(StreamingResponse):

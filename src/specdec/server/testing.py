@@ -19,8 +19,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 @contextmanager
 def serve_in_thread(app, host: str = "127.0.0.1", timeout: float = 10.0,
                     graceful: float = 5.0) -> Iterator[tuple[str, uvicorn.Server]]:
-    """Yields (base_url, server); the server stops when the block ends."""
-    from specdec.server.cli import make_server
+    """Yields (base_url, server); the server stops when the block ends. `graceful`: the drain's
+    grace period, should the test call `server.handle_exit`."""
+    from specdec.server.drain import make_server
 
     port = free_port(host)
     server = make_server(app, host, port, graceful, "warning")
