@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from contextlib import asynccontextmanager
 from typing import Optional
 
+import anyio.to_thread
 from fastapi import FastAPI
 
 import specdec
@@ -18,6 +20,7 @@ from specdec.server.routes import STREAM_CHUNKS, ServerState, router
 from specdec.server.scheduler import Scheduler
 
 OPEN_PATHS = frozenset({"/health"})
+logger = logging.getLogger("specdec.server")
 
 
 class APIKeyMiddleware:
@@ -54,11 +57,17 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None) -> FastAPI
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if engine.cost_model is None:
+            # Any request may ask for `auto`: measure its costs now, before the first request,
+            # rather than in the worker, where it would stall every stream for the ~10 s it takes.
+            cost = await anyio.to_thread.run_sync(engine.calibrate)
+            logger.info("calibrated for auto: %s", cost.summary())
         scheduler.start()
         try:
             yield
         finally:
-            scheduler.stop()
+            if not scheduler.stop(timeout=15.0):
+                logger.error("the scheduler's worker is still inside a backend call; the models stay loaded")
 
     app = FastAPI(title="specdec", version=getattr(specdec, "__version__", "0"), lifespan=lifespan,
                   description="OpenAI-compatible server with lossless speculative decoding.")

@@ -82,12 +82,10 @@ def run(args: argparse.Namespace) -> int:
     default_name = Path(args.model).stem if args.model else default_path(TARGET).stem
     config = build_config(args, default_name)
     engine = load_engine(model_config(args), n_slots=args.parallel)
+    scheduler = None
     try:
-        if config.spec.method == "auto":
-            # Measured now, while no request waits, rather than inside the first request.
-            cost = engine.calibrate()
-            logging.getLogger("specdec.server").info("calibrated: %s", cost.summary())
-        app = create_app(engine, config)
+        app = create_app(engine, config)  # its start-up calibrates `auto` (about 10 s)
+        scheduler = app.state.specdec.scheduler
         server = make_server(app, args.host, args.port, args.drain_grace, args.log_level)
         logging.getLogger("specdec.server").info(
             "serving %r on http://%s:%d (method %s, k=%d, %d slots)", config.served_model_name, args.host,
@@ -95,4 +93,5 @@ def run(args: argparse.Namespace) -> int:
         server.run()
         return 0
     finally:
-        engine.close()
+        if scheduler is None or scheduler.join(0):
+            engine.close()  # never under a worker still inside a backend call (a stall): the process exits anyway

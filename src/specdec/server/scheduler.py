@@ -151,15 +151,22 @@ class Scheduler:
         grace period is over); the worker frees their slots when it next looks."""
         self._fail_everything(shutting_down_error())
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Cancel whatever is still in flight and end the worker."""
+    def stop(self, timeout: float = 15.0) -> bool:
+        """Cancel whatever is still in flight and end the worker; False if it is still inside a
+        backend call after `timeout` seconds (then nobody may close the engine under it)."""
         with self._cond:
             self._draining = self._stopping = True
             self._cond.notify()
         if self._watchdog is not None:
             self._watchdog.stop()
+        return self.join(timeout)
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the worker to end; True once it has (or never began)."""
         if self._thread is not None:
             self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
 
     def _wake(self) -> None:
         with self._cond:

@@ -18,7 +18,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @contextmanager
 def serve_in_thread(app, host: str = "127.0.0.1", timeout: float = 10.0,
-                    graceful: float = 5.0) -> Iterator[tuple[str, uvicorn.Server]]:
+                    graceful: float = 5.0, worker_timeout: float = 300.0) -> Iterator[tuple[str, uvicorn.Server]]:
     """Yields (base_url, server); the server stops when the block ends. `graceful`: the drain's
     grace period, should the test call `server.handle_exit`."""
     from specdec.server.drain import make_server
@@ -37,3 +37,6 @@ def serve_in_thread(app, host: str = "127.0.0.1", timeout: float = 10.0,
     finally:
         server.should_exit = True
         thread.join(timeout)
+        # The caller may close the engine next: never while the worker is still inside it.
+        if not app.state.specdec.scheduler.join(worker_timeout):
+            raise RuntimeError(f"the scheduler's worker is still busy {worker_timeout:g}s after the server stopped")
