@@ -12,6 +12,7 @@ recorded as a failure. The generator records; the caller decides what to assert.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import statistics
@@ -69,19 +70,40 @@ class Outcome:
 def make_request(rng: random.Random, api_keys: int = 8, disconnect_rate: float = 0.0,
                  max_tokens: tuple[int, ...] = (8, 16, 32, 48),
                  greedy_methods: tuple[str, ...] = ("off", "ngram", "draft", "auto"),
-                 sampled_methods: tuple[str, ...] = ("off", "ngram", "auto")) -> LoadRequest:
+                 sampled_methods: tuple[str, ...] = ("off", "ngram", "auto"), key_skew: float = 0.0) -> LoadRequest:
     """A random request: half greedy (any method), half seeded sampling (methods whose seeded
-    text equals plain decoding's: README, Sampling)."""
+    text equals plain decoding's: README, Sampling). API key i is drawn with weight 1/(i+1)**key_skew
+    (0: uniformly; 1: a few keys send most requests, as real tenants do)."""
     greedy = rng.random() < 0.5
+    key = rng.choices(range(api_keys), weights=[1 / (i + 1) ** key_skew for i in range(api_keys)])[0]
     return LoadRequest(
         prompt=rng.choice(PROMPTS),
         max_tokens=rng.choice(max_tokens),
         method=rng.choice(greedy_methods if greedy else sampled_methods),
         temperature=0.0 if greedy else 0.8,
         seed=None if greedy else rng.randrange(1000),
-        api_key=f"key-{rng.randrange(api_keys)}",
+        api_key=f"key-{key}",
         disconnect_after=rng.choice((1, 3)) if rng.random() < disconnect_rate else None,
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _fake_expected(prompt: str, max_tokens: int, temperature: float, seed: Optional[int]) -> Expected:
+    from specdec.backends.fake import FakeBackend
+    from specdec.engine.engine import Engine
+    from specdec.types import GenerationRequest, SamplingParams, SpecConfig
+
+    engine = Engine(FakeBackend(seed=7))
+    ids = engine.encode_prompt([{"role": "user", "content": prompt}], chat=True)
+    sampling = SamplingParams(temperature=temperature, top_p=0.95 if seed is not None else 1.0, seed=seed)
+    result = engine.generate(GenerationRequest(tuple(ids), max_tokens, sampling, SpecConfig("off", 0)))
+    return Expected(result.text, len(result.token_ids), result.finish_reason)
+
+
+def fake_expected(request: LoadRequest) -> Expected:
+    """What the fake engine (tests/fakes/fake_serve.py's) generates for the request alone: plain
+    decoding, no server."""
+    return _fake_expected(request.prompt, request.max_tokens, request.temperature, request.seed)
 
 
 def used_the_draft_model(choices: dict) -> bool:
@@ -217,15 +239,20 @@ async def run_load(url: str, model: str, expected: Callable[[LoadRequest], Expec
                    seconds: Optional[float] = None, total_requests: Optional[int] = None, seed: int = 0,
                    **request_options) -> LoadReport:
     """`clients` concurrent clients send requests back to back (waiting out each 429's
-    Retry-After) until `seconds` have passed or `total_requests` have been answered."""
+    Retry-After) until `seconds` have passed or `total_requests` have been sent."""
     rng = random.Random(seed)
     outcomes: list[Outcome] = []
     started = time.monotonic()
+    issued = 0
 
     def more() -> bool:
+        nonlocal issued
         if seconds is not None and time.monotonic() - started >= seconds:
             return False
-        return total_requests is None or len(outcomes) < total_requests
+        if total_requests is not None and issued >= total_requests:
+            return False
+        issued += 1
+        return True
 
     async def client(client_rng: random.Random) -> None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30)) as http:

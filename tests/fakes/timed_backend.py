@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Sequence
 
 from specdec.backends.fake import FakeBackend
@@ -18,6 +19,9 @@ class TimedFakeBackend(FakeBackend):
     def __init__(self, forward_seconds: float = 0.0, row_seconds: float = 0.0, prompt_row_seconds: float = 0.0,
                  **fake):
         super().__init__(**fake)
+        # FakeBackend records every call for tests; in a long-running server that record would be
+        # the one thing growing (a soak measured it), so keep only the latest calls.
+        self.eval_calls = deque(maxlen=10_000)
         self.forward_seconds = forward_seconds
         self.row_seconds = row_seconds
         self.prompt_row_seconds = prompt_row_seconds

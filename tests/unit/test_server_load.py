@@ -11,7 +11,6 @@ reported (printed, and written as JSON to $SPECDEC_LOAD_REPORT if set), never as
 SPECDEC_LOAD_SECONDS shortens the run for a local try.
 """
 import asyncio
-import functools
 import json
 import os
 import random
@@ -20,11 +19,7 @@ import time
 import httpx
 import pytest
 from fakes.fake_serve import rss_mib, serving
-from fakes.load import Expected, LoadRequest, make_request, run_load, send
-
-from specdec.backends.fake import FakeBackend
-from specdec.engine.engine import Engine
-from specdec.types import GenerationRequest, SamplingParams, SpecConfig
+from fakes.load import LoadRequest, fake_expected, make_request, run_load, send
 
 CLIENTS = 64
 SECONDS = float(os.environ.get("SPECDEC_LOAD_SECONDS", "60"))
@@ -36,20 +31,6 @@ COSTS = {"forward": 0.004, "row": 0.012, "prompt_row": 0.001}
 ROUTE = 'route="/v1/chat/completions"'
 
 pytestmark = pytest.mark.timeout(int(SECONDS) + 180)
-
-
-@functools.lru_cache(maxsize=None)
-def expected_for(prompt, max_tokens, temperature, seed):
-    """What the engine alone generates for the request: plain decoding, no server."""
-    engine = Engine(FakeBackend(seed=7))
-    ids = engine.encode_prompt([{"role": "user", "content": prompt}], chat=True)
-    sampling = SamplingParams(temperature=temperature, top_p=0.95 if seed is not None else 1.0, seed=seed)
-    result = engine.generate(GenerationRequest(tuple(ids), max_tokens, sampling, SpecConfig("off", 0)))
-    return Expected(result.text, len(result.token_ids), result.finish_reason)
-
-
-def expected(request: LoadRequest) -> Expected:
-    return expected_for(request.prompt, request.max_tokens, request.temperature, request.seed)
 
 
 def counters(url) -> dict:
@@ -84,8 +65,8 @@ async def crowd_hangs_up(url, clients=CLIENTS):
         request = make_request(rng, max_tokens=(400,))
         async with httpx.AsyncClient(timeout=30) as http:
             try:
-                outcome = await asyncio.wait_for(send(http, url, "fake", LoadRequest(
-                    request.prompt, 400, request.method, api_key=request.api_key, disconnect_after=2), expected), 3.0)
+                hang_up = LoadRequest(request.prompt, 400, request.method, api_key=request.api_key, disconnect_after=2)
+                outcome = await asyncio.wait_for(send(http, url, "fake", hang_up, fake_expected), 3.0)
             except asyncio.TimeoutError:
                 return  # still queued: the client gives up waiting
             admitted += outcome.status == 200
@@ -104,7 +85,7 @@ def test_64_streaming_clients_for_a_minute_lose_nothing(record_property):
         async def main():
             samples, stop = [], asyncio.Event()
             sampler = asyncio.create_task(sample_rss(process.pid, samples, stop))
-            report = await run_load(url, "fake", expected, clients=CLIENTS, seconds=SECONDS, disconnect_rate=0.1)
+            report = await run_load(url, "fake", fake_expected, clients=CLIENTS, seconds=SECONDS, disconnect_rate=0.1)
             stop.set()
             await sampler
             return report, samples
@@ -139,7 +120,7 @@ def test_64_streaming_clients_for_a_minute_lose_nothing(record_property):
 
 async def send_one(url, request):
     async with httpx.AsyncClient(timeout=60) as http:
-        return await send(http, url, "fake", request, expected)
+        return await send(http, url, "fake", request, fake_expected)
 
 
 def await_idle(url, timeout=30.0):
