@@ -6,10 +6,11 @@ On the target, through specdec's ctypes binding, no engine in between:
 2. prompt splits: the same 700-token prompt processed in differently split chunks;
 3. shared cache: a sequence's logits when other sequences hold cells of the same context;
 4. flash attention with two sequences in one context (in a child process: ik aborts);
-5. cost per round for 4 streams: a context per stream vs one shared context (one llama_decode).
+5. cost per round for 4 streams: a context per stream vs one shared context (one llama_decode);
+6. prompt processing speed in 64-row chunks (exact mode's) vs 512-row chunks.
 Prints one JSON line per finding. Not run in CI (about 15 minutes on 2 cores).
 
-    .venv/bin/python scripts/probe_ik_kernels.py [--out docs/benchmarks/ik-kernels.jsonl]
+    .venv/bin/python scripts/probe_ik_kernels.py [--only rows,splits,shared,fa,streams,prefill] [--out FILE]
 """
 from __future__ import annotations
 
@@ -178,9 +179,35 @@ def streams_cost(probe: Probe, repeats: int = 7):
                "min_ms": round(min(seconds) * 1e3, 1), "max_ms": round(max(seconds) * 1e3, 1)}
 
 
+def prefill_speed(probe: Probe, repeats: int = 3):
+    ctx = probe.context(2048, 1, False)
+    length = 1500
+    times = {}
+    for _ in range(repeats):
+        for size in (64, 512):
+            probe.lib.seq_rm(ctx, -1, 0)
+            t0 = time.perf_counter()
+            probe.prefill(ctx, 0, aligned(0, length, size))
+            times.setdefault(size, []).append(time.perf_counter() - t0)
+    for size, seconds in times.items():
+        yield {"probe": "prefill_speed", "prompt_tokens": length, "chunk_rows": size,
+               "median_tokens_per_second": round(length / statistics.median(seconds), 1),
+               "min_seconds": round(min(seconds), 2), "max_seconds": round(max(seconds), 2)}
+    probe.lib.free_context(ctx)
+
+
+PROBES = {"rows": lambda probe, args: (*rows_vs_steps(probe, False), *rows_vs_steps(probe, True)),
+          "splits": lambda probe, args: prompt_splits(probe),
+          "shared": lambda probe, args: shared_cache(probe),
+          "fa": lambda probe, args: flash_attention_with_two_sequences(args.threads),
+          "streams": lambda probe, args: streams_cost(probe),
+          "prefill": lambda probe, args: prefill_speed(probe)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", default=",".join(PROBES), help="comma-separated probes to run")
     parser.add_argument("--out")
     parser.add_argument("--child-fa-two-sequences", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -188,10 +215,8 @@ def main() -> int:
     if args.child_fa_two_sequences:
         child_fa_two_sequences(probe)
         return 0
-    out = open(args.out, "w") if args.out else None
-    probes = (rows_vs_steps(probe, False), rows_vs_steps(probe, True), prompt_splits(probe), shared_cache(probe),
-              flash_attention_with_two_sequences(args.threads), streams_cost(probe))
-    for finding in (finding for findings in probes for finding in findings):
+    out = open(args.out, "a") if args.out else None
+    for finding in (finding for name in args.only.split(",") for finding in PROBES[name](probe, args)):
         line = json.dumps(finding)
         print(line, flush=True)
         if out:

@@ -79,9 +79,10 @@ def resolve_model(path: Optional[str], spec: ModelSpec) -> Path:
     return cached
 
 
-def load_backend(config: ModelConfig, path: Path, n_slots: int = 1) -> Backend:
-    """One model on the configured backend; each backend imports its libraries only when loaded."""
-    return backend_entry(config.backend.backend).load(path, config, n_slots)
+def load_backend(config: ModelConfig, path: Path, n_slots: int = 1, draft: bool = False) -> Backend:
+    """One model on the configured backend (`draft`: as the draft model, whose logits only shape
+    proposals); each backend imports its libraries only when loaded."""
+    return backend_entry(config.backend.backend).load(path, config, n_slots, draft)
 
 
 def load_engine(config: ModelConfig, n_slots: int = 1) -> Engine:
@@ -91,7 +92,7 @@ def load_engine(config: ModelConfig, n_slots: int = 1) -> Engine:
     draft = None
     if draft_path is not None:
         try:
-            draft = load_backend(config, draft_path, n_slots)
+            draft = load_backend(config, draft_path, n_slots, draft=True)
         except BaseException:
             target.close()
             raise

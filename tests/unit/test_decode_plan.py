@@ -68,7 +68,7 @@ def test_exact_prefill_runs_each_sequence_alone_in_aligned_chunks():
     assert [(call[0].seq_id, call[0].position, len(call)) for call in calls] == \
         [(0, 100, 28), (0, 128, 64), (0, 192, 58), (1, 0, 64), (1, 64, 6)]
     per_sequence = plan_calls([(3, 0, list(range(700)))], prefill=True, rules=PER_SEQUENCE, capacity=512)
-    assert [len(call) for call in per_sequence] == [512, 188]  # ik: long aligned chunks, up to the batch
+    assert [len(call) for call in per_sequence] == [512, 188]  # no max_prefill_rows: aligned chunks up to the batch
 
 
 def test_inexact_calls_fill_the_batch():

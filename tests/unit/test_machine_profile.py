@@ -201,7 +201,7 @@ def loaded_backend(monkeypatch, argv):
     """The (backend, dtype, inexact) that `specdec generate ARGV` would load its models with."""
     seen = []
 
-    def load_backend(models, path, n_slots=1):
+    def load_backend(models, path, n_slots=1, draft=False):
         seen.append((models.backend.backend, models.backend.dtype, not models.backend.exact))
         return FakeBackend(seed=7)
 

@@ -36,6 +36,7 @@ class LlamaFamilyBackend(Backend):
         n_batch: int = 512,
         max_sequences: int = 1,
         exact: bool = True,
+        proposals_only: bool = False,
     ):
         path = Path(model_path)
         check_gguf_file(path)
@@ -49,7 +50,10 @@ class LlamaFamilyBackend(Backend):
         self.prefill_alignment = self.rules.prefill_alignment
         self._contexts: list = []
         self._batch = None
-        self._model = binding.load_model(path)
+        # A draft model's logits only choose what is proposed, never what is accepted: it may run
+        # on faster weight layouts whose batched numbers are not exact.
+        self.proposals_only = proposals_only
+        self._model = binding.load_model(path, repack=proposals_only)
         if not self._model:
             raise SpecdecError(f"{self.name} could not load {path}: the file is corrupt or not a supported GGUF model.")
         try:
@@ -181,6 +185,7 @@ class LlamaFamilyBackend(Backend):
             "flash_attn": self.rules.flash_attn,
             "max_decode_rows": self.rules.max_decode_rows,
             "context_per_sequence": self.rules.context_per_sequence,
+            "proposals_only": self.proposals_only,
         }
 
     def close(self) -> None:

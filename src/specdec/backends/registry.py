@@ -42,7 +42,8 @@ class BackendEntry:
     name: str
     summary: str  # one line for --help
     installed: Callable[[], bool]
-    load: Callable[[Path, ModelConfig, int], Backend]  # (model path, configuration, slots) -> backend
+    # (model path, configuration, slots, whether it is the draft model) -> backend
+    load: Callable[[Path, ModelConfig, int, bool], Backend]
     dtypes: tuple[str, ...] = ()  # --dtype choices, the first being the default; () where it does not apply
 
 
@@ -113,18 +114,18 @@ def default_backend() -> str:
 
 
 # -- the registered backends ------------------------------------------------------------------
-def _llama_family(binding_module: str) -> Callable[[Path, ModelConfig, int], Backend]:
-    def load(path: Path, config: ModelConfig, n_slots: int) -> Backend:
+def _llama_family(binding_module: str) -> Callable[[Path, ModelConfig, int, bool], Backend]:
+    def load(path: Path, config: ModelConfig, n_slots: int, draft: bool) -> Backend:
         from specdec.backends.llama_family import LlamaFamilyBackend
 
         binding = importlib.import_module(binding_module).binding()
         return LlamaFamilyBackend(binding, path, n_ctx=config.ctx_size, n_threads=config.threads,
-                                  max_sequences=n_slots, exact=config.backend.exact)
+                                  max_sequences=n_slots, exact=config.backend.exact, proposals_only=draft)
 
     return load
 
 
-def _load_torch(path: Path, config: ModelConfig, n_slots: int) -> Backend:
+def _load_torch(path: Path, config: ModelConfig, n_slots: int, draft: bool) -> Backend:
     from specdec.backends.torch_backend import TorchBackend
 
     return TorchBackend(path, dtype=config.backend.dtype, n_ctx=config.ctx_size, n_threads=config.threads,

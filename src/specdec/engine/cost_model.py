@@ -9,6 +9,7 @@ speculation would look cheaper than it is.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -86,30 +87,42 @@ def calibrate(
     target: CachedSequence,
     draft: Optional[CachedSequence],
     max_tokens: int = 16,
-    repeats: int = 2,
+    repeats: int = 4,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CostModel:
     """Time target forwards over 1..max_tokens tokens (and draft steps) after a scratch prompt.
-    About 10 s for the default pair on a 2-core CPU.
+    About 15 s for the default pair on a 2-core CPU.
 
-    Leaves both caches empty. The minimum over repeats is kept: noise only ever adds time.
+    Each n is timed right after a one-token forward, and v(n) is the median over repeats of the
+    two's ratio, sizes taken in reverse order on odd repeats: on a VM whose step time drifts by
+    20 %, ratios of independent minima (lucky one-token steps) made v(n) look dearer by up to 15 %.
+    Leaves both caches empty.
     """
     n_ctx = target.backend.n_ctx
     max_tokens = max(1, min(max_tokens, n_ctx // 2 - 1))
     prompt = target.backend.tokenize(CALIBRATION_TEXT, add_special=False)
     prompt = prompt[: min(64, n_ctx - max_tokens - 1)]  # a short scratch prompt that fits any context
     probe = (prompt * max_tokens)[:max_tokens]
-    target_seconds: dict[int, float] = {}
+
+    def timed(tokens) -> float:
+        target.truncate(len(prompt))
+        t0 = clock()
+        target.extend(tokens)
+        return clock() - t0
+
+    one_token: list[float] = []
+    ratios: dict[int, list[float]] = {n: [] for n in range(2, max_tokens + 1)}
     target.clear()
     target.prefill(prompt)
-    for _ in range(repeats):
-        for n in range(1, max_tokens + 1):
-            target.truncate(len(prompt))
-            t0 = clock()
-            target.extend(probe[:n])
-            spent = clock() - t0
-            target_seconds[n] = min(spent, target_seconds.get(n, spent))
+    for repeat in range(repeats):
+        sizes = range(2, max_tokens + 1) if repeat % 2 == 0 else range(max_tokens, 1, -1)
+        for n in sizes:
+            step = timed(probe[:1])
+            one_token.append(step)
+            ratios[n].append(timed(probe[:n]) / step)
     target.clear()
+    t1 = statistics.median(one_token)
+    target_seconds = {1: t1, **{n: t1 * statistics.median(values) for n, values in ratios.items()}}
     draft_step = draft_prefill = None
     if draft is not None:
         draft.clear()
@@ -121,6 +134,6 @@ def calibrate(
             t0 = clock()
             draft.extend([token])
             samples.append(clock() - t0)
-        draft_step = min(samples)
+        draft_step = statistics.median(samples)
         draft.clear()
     return CostModel(target_seconds, draft_step, draft_prefill)

@@ -60,8 +60,10 @@ class LlamaBinding(ABC):
         """The measured kernel rules for exact (or the lossy inexact) mode."""
 
     @abstractmethod
-    def load_model(self, path: Path):
-        """A loaded model, or a false value when the library refused the file."""
+    def load_model(self, path: Path, repack: bool = False):
+        """A loaded model, or a false value when the library refused the file. `repack`: lay the
+        weights out for the library's fastest kernels even where batched rows then differ from
+        one-token steps (for a draft model, whose logits only shape proposals)."""
 
     @abstractmethod
     def free_model(self, model) -> None: ...
