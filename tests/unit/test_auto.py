@@ -6,7 +6,8 @@ import pytest
 from fakes.clock import FakeClock
 
 from specdec.backends.fake import FakeBackend
-from specdec.drafters.auto import AcceptanceEstimate, AutoDrafter, Option, expected_tokens
+from specdec.drafters.auto import (MATCH_LENGTH_PRIORS, AcceptanceEstimate, AutoDrafter, MatchLengthEstimate, Offer,
+                                   Option, expected_tokens, match_bucket)
 from specdec.drafters.model import ModelDrafter
 from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
@@ -45,6 +46,11 @@ def drafter_with(cost, ngram_rate, draft_rate, evidence=1000, model=None):
     return drafter
 
 
+def offers(**lengths):
+    """plan()'s input: {source: an offer of that many tokens}."""
+    return {source: Offer(tuple(range(100, 100 + n))) for source, n in lengths.items()}
+
+
 def test_expected_tokens():
     assert expected_tokens([0.0] * 4) == 1.0
     assert expected_tokens([1.0] * 4) == 5.0
@@ -66,18 +72,18 @@ def test_acceptance_is_estimated_per_position():
 
 def test_picks_off_when_drafts_are_useless():
     drafter = drafter_with(linear_costs(), ngram_rate=0.2, draft_rate=0.3)
-    assert drafter.plan({"ngram": 4}, k=4).source == "off"
+    assert drafter.plan(offers(ngram=4), k=4).source == "off"
 
 
 def test_picks_off_when_verification_costs_as_much_as_the_tokens_it_could_save():
     # Near-linear verification (this CPU): even 90% acceptance does not pay for itself.
     drafter = drafter_with(linear_costs(per_token=0.048), ngram_rate=0.9, draft_rate=0.9)
-    assert drafter.plan({"ngram": 4}, k=4).source == "off"
+    assert drafter.plan(offers(ngram=4), k=4).source == "off"
 
 
 def test_picks_long_drafts_when_acceptance_is_near_one_and_verification_is_flat():
     drafter = drafter_with(flat_costs(), ngram_rate=0.98, draft_rate=0.3)
-    option = drafter.plan({"ngram": 8}, k=8)
+    option = drafter.plan(offers(ngram=8), k=8)
     assert (option.source, option.length) == ("ngram", 8)  # the longest proposal on offer
     drafter = drafter_with(flat_costs(), ngram_rate=0.1, draft_rate=0.97)
     option = drafter.plan({}, k=6)
@@ -86,10 +92,10 @@ def test_picks_long_drafts_when_acceptance_is_near_one_and_verification_is_flat(
 
 def test_uses_only_what_the_ngram_match_offers_or_lets_the_draft_model_continue_it():
     drafter = drafter_with(flat_costs(), ngram_rate=0.95, draft_rate=0.0)
-    option = drafter.plan({"ngram": 2}, k=8)
+    option = drafter.plan(offers(ngram=2), k=8)
     assert (option.source, option.length) == ("ngram", 2)
     drafter = drafter_with(flat_costs(), ngram_rate=0.99, draft_rate=0.9)
-    option = drafter.plan({"ngram": 2}, k=8)
+    option = drafter.plan(offers(ngram=2), k=8)
     assert (option.source, option.prefix_source, option.prefix_length) == ("hybrid", "ngram", 2)
     assert option.length > 2
 
@@ -98,7 +104,7 @@ def test_exploits_an_uneven_cost_curve():
     # Two tokens cost as much as four (the shape measured on the issue's machine): propose three.
     cost = CostModel({1: 0.117, 2: 0.157, 3: 0.155, 4: 0.152, 5: 0.2, 6: 0.246, 7: 0.27, 8: 0.289}, None)
     drafter = drafter_with(cost, ngram_rate=0.7, draft_rate=0.0)
-    option = drafter.plan({"ngram": 8}, k=8)
+    option = drafter.plan(offers(ngram=8), k=8)
     assert (option.source, option.length) == ("ngram", 3)
 
 
@@ -109,28 +115,51 @@ def test_learns_ngram_acceptance_from_shadow_proposals_without_proposing():
         proposal = drafter.propose(text[:end], 4, GREEDY, None)
         assert proposal.draft_tokens == ()  # linear verification: plain decoding always wins
         drafter.observe(proposal, 0, None)
-    assert drafter.estimates["ngram"].rate(1) > 0.9
-    assert drafter.estimates["ngram"].rate(3) > 0.9
+    # the matches grew long: those buckets learned, above their priors
+    assert drafter.estimates["ngram"].rate_after(8) > 0.95 > MATCH_LENGTH_PRIORS[9]
+    assert drafter.estimates["ngram"].rate_after(12) > 0.95 > MATCH_LENGTH_PRIORS[13]
+    assert drafter.estimates["ngram"].rate_after(1) == MATCH_LENGTH_PRIORS[1]  # never seen: the prior
 
 
-def test_never_probes_a_draft_model_that_cannot_pay_and_probes_one_that_might():
+def test_match_length_estimate_on_hand_worked_cases():
+    assert [match_bucket(m) for m in (1, 2, 5, 6, 7, 13, 14, 500)] == [1, 2, 6, 6, 9, 13, 10**9, 10**9]
+    estimate = MatchLengthEstimate(prior_weight=4.0)
+    assert estimate.rates(3, match_length=2) == [MATCH_LENGTH_PRIORS[2], MATCH_LENGTH_PRIORS[3], MATCH_LENGTH_PRIORS[4]]
+    # after a 2-token match: position 1 accepted, position 2 rejected, position 3 never reached
+    estimate.observe(proposed=3, accepted=1, rejected=True, match_length=2)
+    assert estimate.rate_after(2) == pytest.approx((1 + 0.51 * 4) / 5)
+    assert estimate.rate_after(3) == pytest.approx((0 + 0.57 * 4) / 5)
+    assert estimate.rate_after(4) == MATCH_LENGTH_PRIORS[4]
+
+
+def test_prompt_lookup_is_proposed_where_its_match_is_long_enough_to_pay():
+    # ik_llama.cpp's costs on a 2-core Zen 4 (t(1) 44.5 ms, v(2) 1.42, v(3) 1.63, v(4) 1.90):
+    # one token pays from acceptance 0.42, so a 1-token match (0.21) is not proposed; after a
+    # 2-token match one token gives 1.51 / 1.42 = 1.06x plain, two (the second judged as after a
+    # 3-token match) (1 + 0.51 + 0.51 * 0.57) / 1.63 = 1.10x, three 2.02 / 1.90 = 1.06x: two;
+    # a 14-token match (0.98) is proposed in full.
+    t1 = 0.0445
+    cost = CostModel({1: t1, 2: 1.42 * t1, 3: 1.63 * t1, 4: 1.90 * t1, 5: 2.34 * t1}, None)
+    drafter = AutoDrafter(cost, None)
+    tokens = tuple(range(4))
+    assert drafter.plan({"ngram": Offer(tokens, 1)}, k=4).source == "off"
+    option = drafter.plan({"ngram": Offer(tokens, 2)}, k=4)
+    assert (option.source, option.length) == ("ngram", 2)
+    option = drafter.plan({"ngram": Offer(tokens, 14)}, k=4)
+    assert (option.source, option.length) == ("ngram", 4)
+
+
+def test_prices_but_never_probes_a_draft_model_that_its_acceptance_says_loses():
     hopeless = AutoDrafter(linear_costs(per_token=0.05, draft_step=0.02), StubModelDrafter())
-    sources = []
-    for _ in range(40):
-        proposal = hopeless.propose([1, 2, 3], 4, GREEDY, None)
-        sources.append(proposal.source)
-        hopeless.observe(proposal, 0, None)
-    assert set(sources) == {"off"}
-
-    promising = drafter_with(flat_costs(), ngram_rate=0.0, draft_rate=0.01)
-    promising.first_probe_after = promising.probe_interval = 4
-    sources = []
-    for _ in range(30):
-        proposal = promising.propose([1, 2, 3], 4, GREEDY, None)
-        sources.append(proposal.source)
-        promising.observe(proposal, 0, None)  # every probe fails
-    probes = [i for i, s in enumerate(sources) if s == "draft-probe"]
-    assert probes[:3] == [3, 11, 27]  # after 4, then 8, then 16 plain rounds
+    promising_but_unproven = drafter_with(flat_costs(), ngram_rate=0.0, draft_rate=0.01)
+    for drafter in (hopeless, promising_but_unproven):
+        sources = []
+        for _ in range(40):
+            proposal = drafter.propose([1, 2, 3], 4, GREEDY, None)
+            sources.append(proposal.source)
+            drafter.observe(proposal, 0, None)
+        assert set(sources) == {"off"}
+    assert AutoDrafter(flat_costs(), StubModelDrafter()).propose([1, 2, 3], 4, GREEDY, None).source == "draft"
 
 
 def test_model_draft_stops_early_when_its_confidence_no_longer_pays():
@@ -187,7 +216,7 @@ def test_auto_falls_back_to_plain_decoding_when_verification_is_linear():
     engine = Engine(target, draft, clock=clock)
     ids = tuple(engine.encode_prompt("the cat sat on the mat", chat=True))
     result = engine.generate(GenerationRequest(ids, 60, spec=SpecConfig("auto", 4)))
-    assert result.stats["choices"] == {"none": result.stats["generated_tokens"]}  # not even a probe
+    assert result.stats["choices"] == {"none": result.stats["generated_tokens"]}
 
 
 def test_hybrid_proposals_keep_the_target_distribution_when_sampling():
@@ -254,9 +283,3 @@ def test_the_draft_models_catch_up_is_priced():
         drafter = drafter_with(cost, ngram_rate=0.0, draft_rate=0.9, model=model)
         proposal = drafter.propose(context, 4, GREEDY, None)
         assert (proposal.source == "draft") is expect_draft
-    model = StubModelDrafter()
-    model.sequence = LaggingDraftSequence(0)
-    probing = drafter_with(flat_costs(), ngram_rate=0.0, draft_rate=0.01, model=model)
-    probing.first_probe_after = probing.probe_interval = 2
-    sources = {probing.propose(context, 4, GREEDY, None).source for _ in range(10)}
-    assert sources == {"off"}  # never a probe that would cost the whole prompt on the draft

@@ -1,4 +1,4 @@
-from specdec.drafters.ngram import find_ngram_continuation
+from specdec.drafters.ngram import NgramIndex, find_ngram_continuation
 
 
 def test_docstring_example():
@@ -29,7 +29,6 @@ def test_min_ngram_respected():
 def test_the_incremental_index_answers_as_the_full_scan_while_the_context_grows():
     import numpy as np
 
-    from specdec.drafters.ngram import NgramIndex
 
     rng = np.random.default_rng(3)
     for max_ngram, min_ngram in ((3, 1), (2, 1), (3, 2), (1, 1)):
@@ -42,7 +41,6 @@ def test_the_incremental_index_answers_as_the_full_scan_while_the_context_grows(
 
 
 def test_the_index_starts_afresh_for_another_or_rewritten_context():
-    from specdec.drafters.ngram import NgramIndex
 
     index = NgramIndex(max_ngram=2)
     first = [1, 2, 3, 9, 1, 2]
@@ -52,3 +50,10 @@ def test_the_index_starts_afresh_for_another_or_rewritten_context():
     other[-1] = 5  # rewritten in place: its last token no longer matches what was indexed
     other.append(2)
     assert index.continuation(other, 1) == find_ngram_continuation(other, 1, 2)
+
+
+def test_the_index_reports_the_length_of_the_match_behind_its_continuation():
+    index = NgramIndex(max_ngram=4)
+    assert index.match([5, 1, 2, 3, 9, 1, 2, 3], 2) == (3, (9, 1))  # the docstring's example
+    assert index.match([5, 1, 2, 3, 9, 1, 2, 3, 7], 2) == (0, ())  # 7 never occurred before
+    assert NgramIndex(max_ngram=2).match([5, 1, 2, 3, 9, 1, 2, 3], 2) == (2, (9, 1))  # capped at max_ngram

@@ -4,7 +4,12 @@ tenant's cross-request cache, the draft model, a hybrid (an n-gram match the dra
 continues), or nothing.
 
 Acceptance is estimated online per request, per source and per position: a_i is the chance that
-position i is accepted once positions 1..i-1 were. A proposal of j tokens is then expected to yield
+position i is accepted once positions 1..i-1 were. For prompt lookup it follows the match behind
+the proposal: a continuation found after the context's last m tokens matched earlier text is
+accepted far more often when m is long (measured on Spec-Bench: 0.21 after a 1-token match,
+0.51 after 2, 0.74 after 4, 0.98 after 14+), and its i-th token is judged as if the match were
+m + i - 1 tokens long, since accepting the tokens before it lengthens the match. So the policy
+knows per proposal when, and how far, copying pays. A proposal of j tokens is then expected to yield
 E(j) = 1 + a_1 + a_1 a_2 + ... + a_1...a_j tokens (the target's own token included) for a cost of
 t(1 + j) target seconds (plus j draft-model steps for the draft model). Plain decoding yields one
 token for t(1). The policy takes the best option, and only speculates when it beats plain decoding
@@ -12,18 +17,20 @@ by a margin.
 
 The n-gram sources are learned for free: every round, what they would have proposed is compared
 with the tokens the target then commits (a "shadow" proposal), so the policy knows how good they
-are without paying to verify them. The draft model is only tried when even perfect acceptance
-could beat plain decoding on this machine, and then re-probed at doubling intervals. A model draft
-stops early when the draft's own confidence says the next token is no longer worth its cost: the
-threshold is the planned rate times that token's marginal cost, with the draft's confidence
-calibrated against what the target accepted.
+are without paying to verify them. The draft model is priced from its measured acceptance (its
+prior) and what it achieved in this request; it is not probed where that price says it loses
+(probing it on a 2-core CPU cost more than it found). A model draft stops early when the draft's
+own confidence says the next token is no longer worth its cost: the threshold is the planned
+rate times that token's marginal cost, with the draft's confidence calibrated against what the
+target accepted.
 
 It only changes what is proposed, never what is accepted: every decision depends on the context
 and earlier outcomes, never on the token being drawn, so the acceptance rule stays exact.
 
 Example: t(1) = 50 ms, t(2) = 96 ms, t(4) = 180 ms, n-gram acceptance 0.9 at every position:
 one token E = 1.9 / 96 ms = 19.8 tok/s, three tokens E = 3.44 / 180 ms = 19.1 tok/s, plain
-20 tok/s -> plain decoding.
+20 tok/s -> plain decoding. With t(2) = 63 ms and a 2-token match (0.51): 1.51 / 63 ms =
+24.0 tok/s -> propose one token.
 """
 from __future__ import annotations
 
@@ -40,6 +47,8 @@ from specdec.engine.cost_model import CostModel
 from specdec.types import Proposal, SamplingParams
 
 NGRAM_SOURCES = ("ngram", "cache")  # deterministic sources, learned from shadow proposals
+CATCH_UP_HORIZON = 32  # rounds over which the draft model's first catch-up (the prompt) is priced
+MAX_MATCH = 16  # the longest match prompt lookup looks for (matches of 14+ are accepted 98 % of the time)
 
 
 @dataclass
@@ -56,8 +65,9 @@ class AcceptanceEstimate:
         """a_position (1-based)."""
         return self.rates(position)[-1] if position > 0 else self.prior
 
-    def rates(self, length: int) -> list[float]:
-        """[a_1, ..., a_length], in one pass: each position's estimate is the prior of the next."""
+    def rates(self, length: int, match_length: int = 0) -> list[float]:
+        """[a_1, ..., a_length], in one pass: each position's estimate is the prior of the next.
+        (`match_length` is MatchLengthEstimate's; positions alone say it all here.)"""
         rates, rate = [], self.prior
         for i in range(length):
             if i < len(self.attempts):
@@ -65,7 +75,7 @@ class AcceptanceEstimate:
             rates.append(rate)
         return rates
 
-    def observe(self, proposed: int, accepted: int, rejected: bool = True) -> None:
+    def observe(self, proposed: int, accepted: int, rejected: bool = True, match_length: int = 0) -> None:
         """`accepted` leading positions were accepted; if `rejected`, position accepted + 1 was not
         (False when the outcome past the accepted ones is unknown)."""
         reached = min(proposed, accepted + (1 if rejected else 0))
@@ -75,6 +85,46 @@ class AcceptanceEstimate:
         for i in range(reached):
             self.attempts[i] += 1
             self.accepts[i] += 1 if i < accepted else 0
+
+
+# Prompt lookup's acceptance by the length of the match behind it: P(the continuation's next token
+# is accepted | the context's last m tokens matched earlier text), fit on Spec-Bench prompts 6-15
+# of each category (greedy outputs of the default pair on ik_llama.cpp, 128 tokens; prompts 1-5,
+# the benchmark's, left out): `scripts/simulate_drafting.py --fit-match-priors`.
+# Keys: the longest m of each bucket (m = 1, 2, 3, 4, 5-6, 7-9, 10-13, 14+).
+MATCH_LENGTH_PRIORS = {1: 0.21, 2: 0.51, 3: 0.57, 4: 0.74, 6: 0.72, 9: 0.83, 13: 0.91, 10**9: 0.98}
+
+
+def match_bucket(match_length: int) -> int:
+    """The MATCH_LENGTH_PRIORS key whose bucket holds this match length."""
+    return next(bound for bound in MATCH_LENGTH_PRIORS if match_length <= bound)
+
+
+@dataclass
+class MatchLengthEstimate:
+    """Per-request acceptance of prompt lookup by match length: each bucket starts from its prior,
+    worth `prior_weight` observations. A proposal after an m-token match has
+    a_i = rate(m + i - 1): accepting the tokens before position i lengthens the match.
+    Example: m = 2 -> a_1 = rate(2) = 0.51 by its prior, a_2 = rate(3) = 0.57."""
+
+    priors: dict = field(default_factory=lambda: dict(MATCH_LENGTH_PRIORS))
+    prior_weight: float = 4.0
+    attempts: dict = field(default_factory=dict)
+    accepts: dict = field(default_factory=dict)
+
+    def rate_after(self, match_length: int) -> float:
+        bucket = match_bucket(max(1, match_length))
+        return (self.accepts.get(bucket, 0.0) + self.priors[bucket] * self.prior_weight) / \
+            (self.attempts.get(bucket, 0.0) + self.prior_weight)
+
+    def rates(self, length: int, match_length: int = 0) -> list[float]:
+        return [self.rate_after(match_length + i) for i in range(length)]
+
+    def observe(self, proposed: int, accepted: int, rejected: bool = True, match_length: int = 0) -> None:
+        for i in range(min(proposed, accepted + (1 if rejected else 0))):
+            bucket = match_bucket(max(1, match_length + i))
+            self.attempts[bucket] = self.attempts.get(bucket, 0.0) + 1
+            self.accepts[bucket] = self.accepts.get(bucket, 0.0) + (1 if i < accepted else 0)
 
 
 def expected_tokens(rates: Sequence[float]) -> float:
@@ -95,13 +145,21 @@ class Option:
     prefix_length: int = 0
 
 
+@dataclass(frozen=True)
+class Offer:
+    """What an n-gram source offers this round, and the match behind it (0: not known)."""
+
+    tokens: tuple[int, ...]
+    match_length: int = 0
+
+
 @dataclass
 class _Shadow:
     """What an n-gram source would have proposed at a context length, checked once committed."""
 
     source: str
     context_length: int
-    tokens: tuple[int, ...]
+    offer: Offer
 
 
 class AutoDrafter(Drafter):
@@ -111,43 +169,42 @@ class AutoDrafter(Drafter):
         self,
         cost_model: CostModel,
         model_drafter: Optional[ModelDrafter] = None,
-        max_ngram: int = 3,
+        max_ngram: int = MAX_MATCH,
         margin: float = 0.02,
-        first_probe_after: int = 8,
-        ngram_prior: float = 0.5,
         cache_prior: float = 0.5,
-        draft_prior: float = 0.6,
+        draft_prior: float = 0.78,
     ):
         self.cost = cost_model
         self.model_drafter = model_drafter
         self.margin = margin
-        self.first_probe_after = first_probe_after
-        self.priors = {"ngram": ngram_prior, "cache": cache_prior, "draft": draft_prior, "hybrid": draft_prior}
+        self.priors = {"cache": cache_prior, "draft": draft_prior, "hybrid": draft_prior}
         self.ngram_index = NgramIndex(max_ngram)
         self.begin(())
 
     def begin(self, prompt, history: Optional[NgramHistory] = None) -> None:
         self.history = history
         self.ngram_index.reset()
-        self.estimates = {source: AcceptanceEstimate(prior) for source, prior in self.priors.items()}
+        self.estimates = {"ngram": MatchLengthEstimate(),
+                          **{source: AcceptanceEstimate(prior) for source, prior in self.priors.items()}}
         self.shadows: list[_Shadow] = []
-        self.probe_interval = self.first_probe_after
-        self.rounds_since_probe = 0
         self.confidence_sum = 1.0  # calibration of the draft's confidence: accepted / confidence
         self.confidence_accepted = 1.0
         self._last: Optional[Option] = None
+        self._offers: dict[str, Offer] = {}
+        self._draft_used = False  # the draft model has caught up with this request once
         self._confidences: list[float] = []
         self._context: Sequence[int] = ()
         # The draft model's cache is synced lazily, on its first proposal, so a request that never
         # uses it never pays for processing the prompt on it.
 
     # -- the policy ----------------------------------------------------------------------------
-    def options(self, available: dict[str, int], k: int) -> list[Option]:
+    def options(self, available: dict[str, Offer], k: int) -> list[Option]:
         """Every proposal worth pricing, with its expected tokens per second; `available` holds
-        how many tokens each n-gram source offers this round. Called every round: kept cheap."""
+        what each n-gram source offers this round. Called every round: kept cheap."""
         target = [self.cost.target(n) for n in range(1, k + 2)]  # target[n - 1] = t(n)
         options = [Option("off", 0, 1.0 / target[0])]
-        source_rates = {source: self.estimates[source].rates(offered) for source, offered in available.items()}
+        source_rates = {source: self.estimates[source].rates(len(offer.tokens[:k]), offer.match_length)
+                        for source, offer in available.items()}
         for source, rates in source_rates.items():
             reach = tokens = 1.0
             for j, rate in enumerate(rates, start=1):
@@ -176,7 +233,7 @@ class AutoDrafter(Drafter):
                         options.append(Option(kind, j, tokens / seconds, prefix_source, m))
         return options
 
-    def plan(self, available: dict[str, int], k: int) -> Option:
+    def plan(self, available: dict[str, Offer], k: int) -> Option:
         """The best option this round: "off" unless something beats plain decoding by the margin."""
         options = self.options(available, k)
         plain, best = options[0], max(options, key=lambda o: o.tokens_per_second)
@@ -196,22 +253,23 @@ class AutoDrafter(Drafter):
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
         self._context = context
         self._learn_from_shadows(context)
-        offers = {"ngram": self.ngram_index.continuation(context, k)}
+        match_length, continuation = self.ngram_index.match(context, k)
+        offers = {"ngram": Offer(continuation, match_length)}
         if self.history is not None:
-            offers["cache"] = self.history.lookup(context, k)
-        offers = {source: tokens for source, tokens in offers.items() if tokens}
-        option = self.plan({source: len(tokens) for source, tokens in offers.items()}, k)
-        if option.source == "off" and self._probe_due(k):
-            option = Option("draft-probe", min(k, 2), option.tokens_per_second)
+            offers["cache"] = Offer(self.history.lookup(context, k))
+        offers = {source: offer for source, offer in offers.items() if offer.tokens}
+        option = self.plan(offers, k)
         self._last = option
-        for source, tokens in offers.items():
+        self._offers = offers
+        for source, offer in offers.items():
             if source not in (option.source, option.prefix_source):  # those learn from the verdict
-                self.shadows.append(_Shadow(source, len(context), tokens))
+                self.shadows.append(_Shadow(source, len(context), offer))
         if option.source in NGRAM_SOURCES:
-            return Proposal(offers[option.source][:option.length], None, option.source)
-        if option.source in ("draft", "hybrid", "draft-probe"):
+            return Proposal(offers[option.source].tokens[:option.length], None, option.source)
+        if option.source in ("draft", "hybrid"):
+            self._draft_used = True
             self._confidences = []
-            prefix = offers[option.prefix_source][:option.prefix_length] if option.prefix_length else ()
+            prefix = offers[option.prefix_source].tokens[:option.prefix_length] if option.prefix_length else ()
             proposal = self.model_drafter.propose(context, option.length, sampling, rng, prefix,
                                                   self._early_stop(option))
             return Proposal(proposal.draft_tokens, proposal.draft_probs, option.source)
@@ -226,18 +284,17 @@ class AutoDrafter(Drafter):
             return
         rejected = num_accepted < proposed
         if proposal.source in NGRAM_SOURCES:
-            self.estimates[proposal.source].observe(proposed, num_accepted, rejected)
+            match_length = self._offers[proposal.source].match_length
+            self.estimates[proposal.source].observe(proposed, num_accepted, rejected, match_length)
             return
         prefix = option.prefix_length if proposal.source == "hybrid" else 0
         if prefix:
-            self.estimates[option.prefix_source].observe(prefix, min(num_accepted, prefix), num_accepted < prefix)
+            self.estimates[option.prefix_source].observe(prefix, min(num_accepted, prefix), num_accepted < prefix,
+                                                         self._offers[option.prefix_source].match_length)
         if num_accepted >= prefix:
             model_accepted = num_accepted - prefix
             self.estimates["hybrid" if prefix else "draft"].observe(proposed - prefix, model_accepted, rejected)
             self._calibrate_confidence(model_accepted)
-        if proposal.source == "draft-probe":
-            # A failed probe waits twice as long for the next; a successful one resets the wait.
-            self.probe_interval = self.first_probe_after if num_accepted else self.probe_interval * 2
 
     # -- helpers -------------------------------------------------------------------------------
     def _learn_from_shadows(self, context: Sequence[int]) -> None:
@@ -245,36 +302,30 @@ class AutoDrafter(Drafter):
         pending = []
         for shadow in self.shadows:
             committed = context[shadow.context_length:]
+            tokens = shadow.offer.tokens
             matched = 0
-            for proposed, actual in zip(shadow.tokens, committed):
+            for proposed, actual in zip(tokens, committed):
                 if proposed != actual:
                     break
                 matched += 1
-            if matched == len(shadow.tokens) or matched < len(committed):
-                self.estimates[shadow.source].observe(len(shadow.tokens), matched, matched < len(shadow.tokens))
+            if matched == len(tokens) or matched < len(committed):
+                self.estimates[shadow.source].observe(len(tokens), matched, matched < len(tokens),
+                                                      shadow.offer.match_length)
             else:
                 pending.append(shadow)  # every committed token matched, more are needed to judge it
         self.shadows = pending
 
-    def _probe_due(self, k: int) -> bool:
-        # A probe also pays for the draft model to catch up with the context: at most what a probe
-        # interval of plain steps costs, so probing never costs more than a bounded share.
-        if not self.draft_could_pay(k) or self._draft_catch_up_seconds() > self.first_probe_after * self.cost.target(1):
-            return False
-        self.rounds_since_probe += 1
-        if self.rounds_since_probe < self.probe_interval:
-            return False
-        self.rounds_since_probe = 0
-        return True
-
     def _draft_catch_up_seconds(self) -> float:
-        """What the draft model needs before it can propose: processing the committed tokens its
-        cache lacks (all of the prompt, the first time), at its batched per-token cost."""
+        """What the draft model needs before it can propose, priced per round: processing the
+        committed tokens its cache lacks, at its batched per-token cost. The first time that is
+        the whole prompt, an investment that serves every later draft round too, so it is spread
+        over CATCH_UP_HORIZON rounds; afterwards it is the few tokens committed since."""
         sequence = getattr(self.model_drafter, "sequence", None)
         if sequence is None or not self._context:
             return 0.0
         lag = len(self._context) - 1 - sequence.reusable_prefix(self._context[:-1])
-        return lag * (self.cost.draft_prefill_seconds or self.cost.draft_step_seconds or 0.0)
+        seconds = lag * (self.cost.draft_prefill_seconds or self.cost.draft_step_seconds or 0.0)
+        return seconds if self._draft_used else seconds / CATCH_UP_HORIZON
 
     def _early_stop(self, option: Option):
         """keep_drafting(position, confidence) for the draft model: go on while the chance that

@@ -50,15 +50,21 @@ class NgramIndex:
 
     def continuation(self, context: Sequence[int], k: int) -> tuple[int, ...]:
         """The same answer as find_ngram_continuation(context, k, max_ngram, min_ngram)."""
+        return self.match(context, k)[1]
+
+    def match(self, context: Sequence[int], k: int) -> tuple[int, tuple[int, ...]]:
+        """(n, continuation): the longest n <= max_ngram whose last n tokens occurred before, and
+        the k tokens that followed their latest occurrence; (0, ()) when none did.
+        Example: context [5, 1, 2, 3, 9, 1, 2, 3], k 2 -> (3, (9, 1))."""
         if k <= 0:
-            return ()
+            return 0, ()
         self._sync(context)
         tokens = self._tokens
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             start = self._latest[n].get(tuple(tokens[-n:]))
             if start is not None:
-                return tuple(tokens[start:start + k])
-        return ()
+                return n, tuple(tokens[start:start + k])
+        return 0, ()
 
     def _sync(self, context: Sequence[int]) -> None:
         known = len(self._tokens)

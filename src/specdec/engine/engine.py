@@ -93,7 +93,7 @@ class Engine:
         calibration of the same setup (it keeps updating online either way)."""
         self.cost_model = cost
         for each in self.slots:
-            each.drafters["auto"] = AutoDrafter(cost, each.drafters.get("draft"), max_ngram=self.config.ngram_max)
+            each.drafters["auto"] = AutoDrafter(cost, each.drafters.get("draft"))
         return cost
 
     # -- prompts -----------------------------------------------------------------------------

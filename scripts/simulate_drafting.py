@@ -1,0 +1,188 @@
+"""Replay draft-free drafting policies over recorded greedy outputs, priced with a measured cost model.
+
+Greedy speculative decoding commits exactly the tokens plain decoding commits, so for a
+deterministic drafter (prompt lookup, the cross-request cache, `auto` without a draft model) the
+whole run — every proposal and how much of it is accepted — follows from the prompt and the
+recorded `off` output, without the model. Each round is priced at the cost model's t(1 + proposed);
+plain decoding at t(1) per token. The drafters are specdec's own classes, driven as the engine
+drives them (begin, propose, observe with the round's seconds).
+
+This is a simulation: it leaves out each round's bookkeeping and the drift of real step times,
+and says nothing about the draft model. Speedups claimed anywhere come from `specdec bench`;
+this finds what is worth measuring there.
+
+    .venv/bin/python scripts/simulate_drafting.py bench-out/off-ik-15 --cost cost.json \
+        --drafters auto,ngram:k2,ngram:k4 [--first 5]
+    .venv/bin/python scripts/simulate_drafting.py bench-out/off-ik-15 --fit-match-priors --skip 5
+
+--fit-match-priors prints, from the prompts after the first --skip of each category (the
+benchmark's prompts stay out), P(prompt lookup's next token is accepted | the length of the
+match behind it): drafters/auto.py's MATCH_LENGTH_PRIORS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from specdec.backends.base import Backend
+from specdec.bench.datasets import load_prompts
+from specdec.drafters.auto import MAX_MATCH, AutoDrafter, match_bucket
+from specdec.drafters.base import Drafter
+from specdec.drafters.ngram import NgramDrafter, NgramIndex
+from specdec.engine.cost_model import CostModel
+from specdec.types import Proposal, SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def drafter_factories(cost: CostModel) -> dict[str, Callable[[], tuple[Drafter, int]]]:
+    """Name -> (a fresh drafter, its k). k is the most tokens proposed per round."""
+    factories = {}
+    for k in range(1, 17):
+        factories[f"ngram:k{k}"] = lambda k=k: (NgramDrafter(3, 1), k)
+        factories[f"auto:k{k}"] = lambda k=k: (AutoDrafter(CostModel(dict(cost.target_seconds))), k)
+    factories["auto"] = factories["auto:k3"]
+    return factories
+
+
+def simulate(drafter: Drafter, k: int, prompt: list[int], output: list[int], cost: CostModel) -> dict:
+    """One generation's rounds: seconds, rounds, proposed and accepted tokens."""
+    context = list(prompt)
+    drafter.begin(prompt, None)
+    rng = np.random.default_rng(0)
+    seconds = proposed = accepted = rounds = 0
+    position = 0
+    while position < len(output):
+        budget = min(k, len(output) - position - 1)
+        proposal = drafter.propose(context, budget, GREEDY, rng) if budget > 0 else Proposal(())
+        draft = proposal.draft_tokens
+        matched = 0
+        for token, actual in zip(draft, output[position:]):
+            if token != actual:
+                break
+            matched += 1
+        round_seconds = cost.target(1 + len(draft))
+        drafter.observe(proposal, matched, round_seconds)
+        seconds += round_seconds
+        rounds += 1
+        proposed += len(draft)
+        accepted += matched
+        step = output[position:position + matched + 1]
+        context.extend(step)
+        position += len(step)
+    return {"seconds": seconds, "rounds": rounds, "proposed": proposed, "accepted": accepted,
+            "plain_seconds": len(output) * cost.target(1)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("records", help="a bench output folder whose records hold `off` outputs")
+    parser.add_argument("--cost", help="a cost model JSON (CostModel.to_json) or t1_ms:v2,v3,...")
+    parser.add_argument("--drafters", default="auto,ngram:k2,ngram:k4")
+    parser.add_argument("--first", type=int, default=None, help="only the first N prompts of each category")
+    parser.add_argument("--fit-match-priors", action="store_true")
+    parser.add_argument("--skip", type=int, default=5, help="--fit-match-priors leaves out the first N per category")
+    parser.add_argument("--tokenizer-backend", default="ik_llama.cpp")
+    args = parser.parse_args()
+    generations = load_generations(Path(args.records), args.tokenizer_backend)
+    if args.fit_match_priors:
+        print(json.dumps(fit_match_priors(generations, args.skip)))
+        return 0
+    if not args.cost:
+        raise SystemExit("--cost is needed to simulate drafters")
+    cost = load_cost(args.cost)
+    factories = drafter_factories(cost)
+    by_category: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for category, rank, prompt_ids, record in generations:
+        if args.first is not None and rank >= args.first:
+            continue
+        for name in args.drafters.split(","):
+            drafter, k = factories[name]()
+            result = simulate(drafter, k, prompt_ids, record["output_token_ids"], cost)
+            by_category[record["category"]][name].append(result)
+    print_table(by_category, args.drafters.split(","))
+    return 0
+
+
+def load_generations(folder: Path, tokenizer_backend: str) -> list[tuple[str, int, list[int], dict]]:
+    """(category, rank in its category, prompt ids, off record) for every recorded `off` output."""
+    records = [json.loads(line) for line in (folder / "records.jsonl").read_text().splitlines()]
+    offs = [r for r in records if r["config"] == "off" and r["success"] and r["repeat"] == 0]
+    tokenizer = load_tokenizer(tokenizer_backend)
+    prompts = {p.id: p for p in load_prompts("spec-bench")}
+    order = {p.id: rank for rank, p in enumerate(load_prompts("spec-bench"))}
+    generations, ranks = [], defaultdict(int)
+    for record in sorted(offs, key=lambda r: order[r["prompt_id"]]):
+        prompt_ids = tokenizer.tokenize(tokenizer.apply_chat_template(list(prompts[record["prompt_id"]].messages)),
+                                        add_special=False)
+        if len(prompt_ids) != record["prompt_tokens"]:
+            raise SystemExit(f"prompt {record['prompt_id']} tokenizes to {len(prompt_ids)} tokens, the record "
+                             f"says {record['prompt_tokens']}: another tokenizer?")
+        generations.append((record["category"], ranks[record["category"]], prompt_ids, record))
+        ranks[record["category"]] += 1
+    return generations
+
+
+def fit_match_priors(generations, skip: int) -> dict:
+    """{bucket bound: [tries, accepted, rate]}: at every output position, the longest earlier match
+    of the context's suffix (up to MAX_MATCH tokens) and whether its next token is the output's."""
+    counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for _, rank, prompt_ids, record in generations:
+        if rank < skip:
+            continue
+        output = record["output_token_ids"]
+        index = NgramIndex(MAX_MATCH)
+        context = list(prompt_ids)
+        for position in range(len(output) - 1):
+            length, continuation = index.match(context, 1)
+            if continuation:
+                bucket = counts[match_bucket(length)]
+                bucket[0] += 1
+                bucket[1] += continuation[0] == output[position]
+            context.append(output[position])
+    return {bound: [tries, accepted, round(accepted / tries, 3)] for bound, (tries, accepted) in sorted(counts.items())}
+
+
+def print_table(by_category, names) -> None:
+    categories = [*by_category, "overall"]
+    print("| drafter | " + " | ".join(categories) + " |")
+    print("|---|" + "---|" * len(categories))
+    for name in names:
+        cells = []
+        for category in categories:
+            results = [r for c in by_category for r in by_category[c][name]] if category == "overall" \
+                else by_category[category][name]
+            ratios = [r["plain_seconds"] / r["seconds"] for r in results]
+            proposed = sum(r["proposed"] for r in results)
+            accepted = sum(r["accepted"] for r in results)
+            rate = accepted / proposed if proposed else float("nan")
+            cells.append(f"{statistics.median(ratios):.3f}x (acc {rate:.2f})")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def load_cost(text: str) -> CostModel:
+    if Path(text).exists():
+        return CostModel.from_json(json.loads(Path(text).read_text()))
+    t1, _, vs = text.partition(":")
+    t1 = float(t1) / 1e3
+    seconds = {1: t1, **{n: t1 * float(v) for n, v in enumerate(vs.split(","), start=2)}}
+    return CostModel(seconds)
+
+
+def load_tokenizer(backend: str) -> Backend:
+    from specdec.backends.registry import BackendConfig, ModelConfig
+    from specdec.models.registry import TARGET, default_path
+    from specdec.runtime import load_backend
+
+    return load_backend(ModelConfig(BackendConfig(backend)), default_path(TARGET))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
