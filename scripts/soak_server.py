@@ -42,6 +42,15 @@ def server_state(url: str, pid: int) -> dict:
             "metrics_bytes": len(text)}
 
 
+def server_counts(url: str) -> dict:
+    counts = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("specdec:http_requests_total{") and 'route="/v1/chat/completions"' in line:
+            status = line.split('status="')[1].split('"')[0]
+            counts[status] = counts.get(status, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
 async def soak(url: str, pid: int, args) -> dict:
     checkpoints = [{"requests": 0, **server_state(url, pid)}]
     outcomes = []
@@ -57,11 +66,13 @@ async def soak(url: str, pid: int, args) -> dict:
                             **server_state(url, pid)})
         print(json.dumps(checkpoints[-1]), flush=True)
     answered = [o for o in outcomes if o.status == 200]
+    served = server_counts(url)
     return {
         "requests": len(outcomes),
         "answered_200": len(answered),
         "rejected_429": sum(1 for o in outcomes if o.status == 429),
         "wrong_or_failed": sum(1 for o in outcomes if o.problem is not None),
+        "server_counted": served,  # the server's own count of answers by status: nothing lost in between
         "problems": [o.problem for o in outcomes if o.problem is not None][:5],
         "completion_tokens": sum(o.completion_tokens for o in answered),
         "api_keys": args.api_keys,

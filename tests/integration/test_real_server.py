@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from fakes.load import LoadRequest, send, used_the_draft_model
+from fakes.load import LoadRequest, client_session, send, used_the_draft_model
 from openai import OpenAI
 
 from specdec.server import ServerConfig, create_app
@@ -76,7 +76,7 @@ def test_more_streams_than_slots_with_auto_and_seeded_sampling_equal_each_reques
     app = create_app(real_engine, config)
     with serve_in_thread(app, timeout=START_TIMEOUT) as (url, _):
         async def alone():
-            async with httpx.AsyncClient(timeout=600) as http:
+            async with client_session() as http:
                 return [await send(http, url, "qwen", request) for request in requests]
 
         async def together():
@@ -89,7 +89,7 @@ def test_more_streams_than_slots_with_auto_and_seeded_sampling_equal_each_reques
                     refusals += 1
                     await asyncio.sleep(outcome.retry_after)
 
-            async with httpx.AsyncClient(timeout=600) as http:
+            async with client_session() as http:
                 return await asyncio.gather(*(until_accepted(http, request) for request in requests))
 
         single = asyncio.run(alone())

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 from fakes.fake_serve import rss_mib, serving
-from fakes.load import LoadRequest, fake_expected, make_request, run_load, send
+from fakes.load import LoadRequest, client_session, fake_expected, make_request, run_load, send
 
 CLIENTS = 64
 SECONDS = float(os.environ.get("SPECDEC_LOAD_SECONDS", "60"))
@@ -63,7 +63,7 @@ async def crowd_hangs_up(url, clients=CLIENTS):
     async def one():
         nonlocal admitted, refused
         request = make_request(rng, max_tokens=(400,))
-        async with httpx.AsyncClient(timeout=30) as http:
+        async with client_session(30) as http:
             try:
                 hang_up = LoadRequest(request.prompt, 400, request.method, api_key=request.api_key, disconnect_after=2)
                 outcome = await asyncio.wait_for(send(http, url, "fake", hang_up, fake_expected), 3.0)
@@ -119,7 +119,7 @@ def test_64_streaming_clients_for_a_minute_lose_nothing(record_property):
 
 
 async def send_one(url, request):
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with client_session(60) as http:
         return await send(http, url, "fake", request, fake_expected)
 
 
