@@ -53,7 +53,7 @@ class NgramHistory:
 
 class CrossRequestCache:
     """The tables of all tenants, at most `max_tenants` of them (least recently used dropped).
-    At the defaults, 32 tenants x 20,000 n-grams: about 150 MB at most."""
+    At the defaults, 32 tenants x 20,000 n-grams: about 180 MB at most (soak, docs/server.md)."""
 
     def __init__(self, order: int = 3, span: int = 8, max_entries: int = 20_000, max_tenants: int = 32):
         self.order, self.span, self.max_entries, self.max_tenants = order, span, max_entries, max_tenants
