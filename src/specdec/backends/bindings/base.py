@@ -51,9 +51,12 @@ class ContextOptions:
 
 class LlamaBinding(ABC):
     """One llama.cpp-family library. Handles (model, context, vocab, batch) are its own objects;
-    the backend only passes them back."""
+    the backend only passes them back. Calls whose C name and signature both libraries share are
+    made here, on `_lib` (the library's functions under their C names); a binding overrides only
+    what differs."""
 
     name: str
+    _lib: object
 
     @abstractmethod
     def rules(self, exact: bool) -> KernelRules:
@@ -79,14 +82,14 @@ class LlamaBinding(ABC):
     def context_cells_per_sequence(self, ctx, n_seq_max: int) -> int:
         """How many positions one sequence may hold in this context."""
 
-    @abstractmethod
-    def vocab(self, model): ...
+    def vocab(self, model):
+        return self._lib.llama_model_get_vocab(model)
 
-    @abstractmethod
-    def n_vocab(self, vocab) -> int: ...
+    def n_vocab(self, vocab) -> int:
+        return self._lib.llama_vocab_n_tokens(vocab)
 
-    @abstractmethod
-    def is_eog(self, vocab, token: int) -> bool: ...
+    def is_eog(self, vocab, token: int) -> bool:
+        return self._lib.llama_vocab_is_eog(vocab, token)
 
     @abstractmethod
     def tokenize(self, vocab, data: bytes, buffer, capacity: int, add_special: bool) -> int:
@@ -97,24 +100,24 @@ class LlamaBinding(ABC):
     def token_to_piece(self, vocab, token: int, buffer, length: int, special: bool) -> int:
         """A token's bytes into a char buffer; returns their count, or minus the length needed."""
 
-    @abstractmethod
     def meta_val_str(self, model, key: bytes, buffer, size: int) -> int:
         """A GGUF metadata value into a char buffer; its length, or < 0 when the key is absent."""
+        return self._lib.llama_model_meta_val_str(model, key, buffer, size)
 
-    @abstractmethod
     def batch_init(self, capacity: int, n_seq_max: int):
         """A llama_batch with token, pos, n_seq_id, seq_id and logits arrays of `capacity` rows."""
+        return self._lib.llama_batch_init(capacity, 0, n_seq_max)
 
-    @abstractmethod
-    def batch_free(self, batch) -> None: ...
+    def batch_free(self, batch) -> None:
+        self._lib.llama_batch_free(batch)
 
-    @abstractmethod
     def decode(self, ctx, batch, rules: KernelRules) -> int:
         """llama_decode under `rules` (a library may need a switch set around it); 0 on success."""
+        return self._lib.llama_decode(ctx, batch)
 
-    @abstractmethod
     def logits_ith(self, ctx, i: int):
         """A float pointer to the logits of the last decode's i-th row."""
+        return self._lib.llama_get_logits_ith(ctx, i)
 
     @abstractmethod
     def seq_rm(self, ctx, seq_id: int, start: int) -> None:

@@ -94,31 +94,13 @@ class LlamaCppPythonBinding(LlamaBinding):
         return self._lib.llama_n_ctx_seq(ctx)
 
     # -- vocabulary and metadata -------------------------------------------------------------
-    def vocab(self, model):
-        return self._lib.llama_model_get_vocab(model)
-
-    def n_vocab(self, vocab) -> int:
-        return self._lib.llama_vocab_n_tokens(vocab)
-
-    def is_eog(self, vocab, token: int) -> bool:
-        return self._lib.llama_vocab_is_eog(vocab, token)
-
     def tokenize(self, vocab, data: bytes, buffer, capacity: int, add_special: bool) -> int:
         return self._lib.llama_tokenize(vocab, data, len(data), buffer, capacity, add_special, True)
 
     def token_to_piece(self, vocab, token: int, buffer, length: int, special: bool) -> int:
         return self._lib.llama_token_to_piece(vocab, token, buffer, length, 0, special)
 
-    def meta_val_str(self, model, key: bytes, buffer, size: int) -> int:
-        return self._lib.llama_model_meta_val_str(model, key, buffer, size)
-
     # -- evaluation --------------------------------------------------------------------------
-    def batch_init(self, capacity: int, n_seq_max: int):
-        return self._lib.llama_batch_init(capacity, 0, n_seq_max)
-
-    def batch_free(self, batch) -> None:
-        self._lib.llama_batch_free(batch)
-
     def decode(self, ctx, batch, rules: KernelRules) -> int:
         with self._fa_reference(rules.fa_reference):
             return self._lib.llama_decode(ctx, batch)
@@ -131,9 +113,6 @@ class LlamaCppPythonBinding(LlamaBinding):
             elif not on and FA_REFERENCE_ENV in os.environ:
                 del os.environ[FA_REFERENCE_ENV]
             yield
-
-    def logits_ith(self, ctx, i: int):
-        return self._lib.llama_get_logits_ith(ctx, i)
 
     def seq_rm(self, ctx, seq_id: int, start: int) -> None:
         self._lib.llama_memory_seq_rm(self._memories[ctx], seq_id, start, -1)
