@@ -4,11 +4,11 @@ documented error event inside a started stream, an OpenAI-shaped 5xx otherwise â
 what is wrong; time limits keep working while the worker is stuck; the server recovers."""
 import json
 import threading
-import time
 
 import httpx
 import openai
 import pytest
+from fakes.threads import in_thread, wait_until
 from fakes.timed_backend import HangingBackend
 
 from specdec.backends.fake import FakeBackend
@@ -39,11 +39,6 @@ def reference(prompt, max_tokens):
     return engine.generate(GenerationRequest(tuple(ids), max_tokens, SamplingParams(), SpecConfig("off", 0)))
 
 
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 class Stream:
@@ -75,18 +70,6 @@ class Stream:
                        if line.startswith("{") and "choices" in json.loads(line))
 
 
-def in_thread(fn, *args, **kwargs):
-    result = {}
-
-    def run():
-        try:
-            result["value"] = fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - reported by the test
-            result["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, result
 
 
 def assert_error_event(lines, code):

@@ -2,11 +2,12 @@
 prefix-cache reuse, chunked prefill, the time limit, draining on SIGTERM, metrics."""
 import json
 import signal
-import threading
 import time
 
 import httpx
 import pytest
+
+from fakes.threads import in_thread, wait_until
 
 from specdec.backends.fake import FakeBackend
 from specdec.engine.engine import Engine
@@ -48,11 +49,6 @@ def reference(prompt, max_tokens, chat=False):
     return engine.generate(GenerationRequest(tuple(ids), max_tokens, SamplingParams(), SpecConfig("off", 0)))
 
 
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def metric(url, name):
@@ -64,18 +60,6 @@ def metric(url, name):
     return total
 
 
-def in_thread(fn, *args, **kwargs):
-    result = {}
-
-    def target():
-        try:
-            result["value"] = fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            result["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, result
 
 
 def test_full_queue_answers_429_with_retry_after():
