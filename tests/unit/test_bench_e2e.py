@@ -267,3 +267,21 @@ def test_a_compared_backend_runs_interleaved_with_its_own_off_and_is_reported_be
     with pytest.raises(SpecdecError, match="already the backend"):
         run_bench(bench_args(tmp_path, "--backend", "llama.cpp", "--compare-backend", "llama.cpp",
                              "--out", str(tmp_path / "again")), engine_factory=factory)
+
+
+def test_compare_methods_limits_what_runs_on_the_compared_backend(tmp_path):
+    """--compare-methods off: the other backend runs plain decoding only, still interleaved per
+    prompt, and is reported beside the first engine's configurations."""
+    def factory(models):
+        return Engine(FakeBackend(seed=7), FakeBackend(seed=7, noise=0.6))
+
+    args = bench_args(tmp_path, "--methods", "ngram,draft", "--warmup", "0", "--backend", "llama.cpp",
+                      "--compare-backend", "ik_llama.cpp", "--compare-methods", "off")
+    run_bench(args, engine_factory=factory)
+    records = read_records(tmp_path)
+    other = "specdec@ik_llama.cpp"
+    assert sorted({r["config"] for r in records}) == sorted(["off", "ngram", "draft", f"{other}:off"])
+    assert len(records) == 3 * 4
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["peers"][other]["configs"][f"{other}:off"]["speedup_vs_specdec_off"] > 0
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["compare_methods"] == "off"

@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-backend", action="append", default=[], metavar="BACKEND",
                         help="also run every configuration on this backend's engine, loaded beside the first and "
                              "interleaved with it per prompt (repeatable; labelled specdec@BACKEND:method)")
+    parser.add_argument("--compare-methods", default=None, metavar="METHODS",
+                        help="the configurations run on each --compare-backend, as --methods (default: the same; "
+                             "`off` alone compares plain decoding only); off always runs")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_arguments(parser)
 
@@ -97,7 +100,8 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
         backend_entry(backend)  # an unknown name fails here, before anything loads
         if backend == models.backend.backend:
             raise SpecdecError(f"--compare-backend {backend} is already the backend measured.")
-    configs = own + [config for backend in compare for config in on_backend(own, backend)]
+    theirs = parse_configs(_split([args.compare_methods]), ks) if args.compare_methods is not None else own
+    configs = own + [config for backend in compare for config in on_backend(theirs, backend)]
     need_draft = any(c.method in ("draft", "auto") for c in configs)
     if need_draft and args.no_draft:
         raise SpecdecError("--no-draft contradicts the draft method in --methods.")
@@ -248,6 +252,7 @@ def _run_meta(args: argparse.Namespace, models, compare, prompts, configs) -> di
         "backend": models.backend.backend,
         "dtype": models.backend.dtype,
         "compare_backends": compare,
+        "compare_methods": args.compare_methods,
         "models": _models_meta(args, any(c.method == "draft" for c in configs)),
         "machine": _machine(),
     }
