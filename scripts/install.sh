@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a virtual environment at .venv. Safe to run again.
-#   scripts/install.sh        specdec with the llama.cpp-family backends this CPU runs well (the main job)
+#   scripts/install.sh        specdec with ik_llama.cpp's wheel (the main job; SPECDEC_MAINLINE=1 adds mainline)
 #   scripts/install.sh test   everything the tests use: both backends, torch's CPU build, test tools
 #
 #   ik_llama.cpp   PyPI's prebuilt ik-llama-cpp-python wheel (x86_64, AVX2 kernels): seconds.
 #   llama.cpp      llama-cpp-python built from source for this CPU with specdec's exactness switch
 #                  (about 6 minutes on a 2-core Zen 4, 11 on a Zen 3; the wheel is cached).
 #
-# The main job builds mainline llama.cpp only where it can be the faster one: on CPUs with
-# AVX-512, whose kernels ik's AVX2 wheel does not use (measured on a 2-core Zen 4: mainline
-# decodes 1.12x faster there), or where ik's wheel cannot run (no AVX2, not x86_64). The tests
-# build it everywhere: they test both backends.
+# The main job never waits for a compiler where ik's wheel runs: it builds mainline llama.cpp only
+# where that wheel cannot run (no AVX2, not x86_64), or when asked (SPECDEC_MAINLINE=1). Asking
+# can pay on CPUs with AVX-512, whose kernels ik's AVX2 wheel does not use (measured on a 2-core
+# Zen 4: mainline's plain decoding 1.10x ik's); `make profile` then measures both and keeps the
+# faster. The tests build it everywhere: they test both backends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-serve}
@@ -41,7 +42,7 @@ fi
 
 # -- mainline llama.cpp: built for this CPU -----------------------------------------------------
 want_mainline=false
-if [ "$MODE" = test ] || ! $ik_runs || has avx512f; then want_mainline=true; fi
+if [ "$MODE" = test ] || ! $ik_runs || [ "${SPECDEC_MAINLINE:-0}" = 1 ]; then want_mainline=true; fi
 
 # CPU-specific build flags: the AVX-512 set where present, AVX2 otherwise, never AMX (its
 # llama.cpp path faults here) and never -march=native (a wheel built here must not crash elsewhere).
