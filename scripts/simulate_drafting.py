@@ -15,6 +15,11 @@ this finds what is worth measuring there.
         --drafters auto,ngram:k2,ngram:k4 [--first 5]
     .venv/bin/python scripts/simulate_drafting.py bench-out/off-ik-15 --fit-match-priors --skip 5
 
+`oracle` is the ceiling of prompt lookup on these costs: it sees the output, so each round it
+proposes exactly the part of the longest match's continuation (up to 16 tokens) that will be
+accepted, cut where a longer proposal no longer raises tokens per second, and nothing where no
+proposal pays. No real policy can beat it with prompt lookup alone.
+
 --fit-match-priors prints, from the prompts after the first --skip of each category (the
 benchmark's prompts stay out), P(prompt lookup's next token is accepted | the length of the
 match behind it): drafters/auto.py's MATCH_LENGTH_PRIORS.
@@ -52,6 +57,25 @@ def drafter_factories(cost: CostModel) -> dict[str, Callable[[], tuple[Drafter, 
     return factories
 
 
+class OracleLookup(Drafter):
+    """Prompt lookup with perfect knowledge of which proposals will hold (see the module doc)."""
+
+    def __init__(self, cost: CostModel, prompt_length: int, output: list[int]):
+        self.cost, self.prompt_length, self.output = cost, prompt_length, output
+        self.index = NgramIndex(MAX_MATCH)
+
+    def propose(self, context, k, sampling, rng) -> Proposal:
+        _, continuation = self.index.match(context, k)
+        future = self.output[len(context) - self.prompt_length:]
+        holds = 0
+        for token, actual in zip(continuation, future):
+            if token != actual:
+                break
+            holds += 1
+        best = max(range(holds + 1), key=lambda n: (n + 1) / self.cost.target(1 + n))
+        return Proposal(tuple(continuation[:best]))
+
+
 def simulate(drafter: Drafter, k: int, prompt: list[int], output: list[int], cost: CostModel) -> dict:
     """One generation's rounds: seconds, rounds, proposed and accepted tokens."""
     context = list(prompt)
@@ -85,7 +109,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("records", help="a bench output folder whose records hold `off` outputs")
     parser.add_argument("--cost", help="a cost model JSON (CostModel.to_json) or t1_ms:v2,v3,...")
-    parser.add_argument("--drafters", default="auto,ngram:k2,ngram:k4")
+    parser.add_argument("--drafters", default="auto,ngram:k2,ngram:k4,oracle")
     parser.add_argument("--first", type=int, default=None, help="only the first N prompts of each category")
     parser.add_argument("--fit-match-priors", action="store_true")
     parser.add_argument("--skip", type=int, default=5, help="--fit-match-priors leaves out the first N per category")
@@ -104,7 +128,10 @@ def main() -> int:
         if args.first is not None and rank >= args.first:
             continue
         for name in args.drafters.split(","):
-            drafter, k = factories[name]()
+            if name == "oracle":
+                drafter, k = OracleLookup(cost, len(prompt_ids), record["output_token_ids"]), 16
+            else:
+                drafter, k = factories[name]()
             result = simulate(drafter, k, prompt_ids, record["output_token_ids"], cost)
             by_category[record["category"]][name].append(result)
     print_table(by_category, args.drafters.split(","))
