@@ -7,10 +7,11 @@ On the target, through specdec's ctypes binding, no engine in between:
 3. shared cache: a sequence's logits when other sequences hold cells of the same context;
 4. flash attention with two sequences in one context (in a child process: ik aborts);
 5. cost per round for 4 streams: a context per stream vs one shared context (one llama_decode);
-6. prompt processing speed in 64-row chunks (exact mode's) vs 512-row chunks.
+6. prompt processing speed in 64-row chunks (exact mode's) vs 512-row chunks;
+7. run-time repacking (what the draft model loads with): step time and batch exactness, both models.
 Prints one JSON line per finding. Not run in CI (about 15 minutes on 2 cores).
 
-    .venv/bin/python scripts/probe_ik_kernels.py [--only rows,splits,shared,fa,streams,prefill] [--out FILE]
+    .venv/bin/python scripts/probe_ik_kernels.py [--only rows,splits,shared,fa,streams,prefill,repack] [--out FILE]
 """
 from __future__ import annotations
 
@@ -196,12 +197,41 @@ def prefill_speed(probe: Probe, repeats: int = 3):
     probe.lib.free_context(ctx)
 
 
+def repacking(probe: Probe, repeats: int = 15):
+    from specdec.models.registry import DRAFT
+
+    lib = probe.lib
+    for role, spec in (("draft", DRAFT), ("target", TARGET)):
+        for repack in (False, True):
+            model = lib.load_model(default_path(spec), repack=repack)
+            ctx = lib.new_context(model, ContextOptions(1024, 512, 1, probe.threads, False))
+            n_vocab = lib.n_vocab(lib.vocab(model))
+            saved, probe.model, probe.n_vocab = (probe.model, probe.n_vocab), model, n_vocab
+            probe.prefill(ctx, 0, aligned(0, 300))
+            steps = np.stack([probe.decode(ctx, [(0, 300 + i, probe.tokens[300 + i])])[0] for i in range(8)])
+            probe.lib.seq_rm(ctx, 0, 300)
+            batched = probe.decode(ctx, [(0, 300 + i, probe.tokens[300 + i]) for i in range(8)])
+            seconds = []
+            for _ in range(repeats):
+                probe.lib.seq_rm(ctx, 0, 300)
+                t0 = time.perf_counter()
+                probe.decode(ctx, [(0, 300, probe.tokens[300])])
+                seconds.append(time.perf_counter() - t0)
+            yield {"probe": "repacking", "model": role, "repack": repack,
+                   "step_ms_median": round(statistics.median(seconds) * 1e3, 1),
+                   "max_logit_difference_8_rows": float(np.abs(batched - steps).max())}
+            probe.model, probe.n_vocab = saved
+            lib.free_context(ctx)
+            lib.free_model(model)
+
+
 PROBES = {"rows": lambda probe, args: (*rows_vs_steps(probe, False), *rows_vs_steps(probe, True)),
           "splits": lambda probe, args: prompt_splits(probe),
           "shared": lambda probe, args: shared_cache(probe),
           "fa": lambda probe, args: flash_attention_with_two_sequences(args.threads),
           "streams": lambda probe, args: streams_cost(probe),
-          "prefill": lambda probe, args: prefill_speed(probe)}
+          "prefill": lambda probe, args: prefill_speed(probe),
+          "repack": lambda probe, args: repacking(probe)}
 
 
 def main() -> int:
