@@ -52,6 +52,12 @@ def sampled_engine(request, engines):
 
 
 @pytest.fixture(params=[DEFAULT_BACKEND, *SAMPLED_BACKENDS])
+def each_backend(request):
+    """The default backend's name, then each sampled backend's (for tests that load their own)."""
+    return request.param
+
+
+@pytest.fixture(params=[DEFAULT_BACKEND, *SAMPLED_BACKENDS])
 def each_engine(request, engines):
     """The default backend's engine, then each sampled backend's."""
     engine = engines(request.param)

@@ -110,6 +110,30 @@ def test_cli_generate_json(tmp_path):
     assert payload["stats"]["method"] == "ngram"
 
 
+def test_batched_logits_equal_one_step_logits_at_one_thread_too(each_backend):
+    """Exactness at every thread count this machine runs: the test above uses every core; here the
+    target runs on one thread (the rows of a call are split over threads differently), after a
+    short prompt, for every draft length 1..16."""
+    from specdec.backends.registry import BackendConfig, ModelConfig, backend_entry
+    from specdec.models.registry import TARGET, default_path
+
+    config = ModelConfig(BackendConfig(each_backend), ctx_size=512, threads=1)
+    target = backend_entry(each_backend).load(default_path(TARGET), config, 1, False)
+    try:
+        prompt = target.tokenize(target.apply_chat_template(
+            [{"role": "user", "content": "Write a haiku about the sea."}]), add_special=False)
+        continuation = target.tokenize(" The quick brown fox jumps over the lazy dog again and again until "
+                                       "the end of the day", add_special=False)[:17]
+        target.eval(0, 0, prompt, prefill=True)
+        steps = np.concatenate([target.eval(0, len(prompt) + i, [token]) for i, token in enumerate(continuation)])
+        for k in range(1, 17):
+            target.truncate(0, len(prompt))
+            batched = target.eval(0, len(prompt), continuation[: k + 1])
+            assert np.array_equal(batched, steps[: k + 1]), f"k={k}: up to {np.abs(batched - steps[: k + 1]).max()}"
+    finally:
+        target.close()
+
+
 def test_sequences_verified_together_get_the_logits_each_gets_alone(each_engine):
     """Continuous batching: three sequences of different lengths (one past 512 cells), verified in
     one eval_many call, get bit for bit the logits each gets alone — whether the backend keeps a KV
