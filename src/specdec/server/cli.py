@@ -68,6 +68,7 @@ def build_config(args: argparse.Namespace, default_name: str) -> "ServerConfig":
         max_tokens=args.max_tokens,
         request_timeout=args.request_timeout,
         stall_timeout=args.stall_timeout,
+        drain_grace=args.drain_grace,
         batch_verify=not args.sequential_verify,
     )
 
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = create_app(engine, config)  # its start-up calibrates `auto` (about 10 s)
         scheduler = app.state.specdec.scheduler
-        server = make_server(app, args.host, args.port, args.drain_grace, args.log_level)
+        server = make_server(app, args.host, args.port, args.log_level)
         logging.getLogger("specdec.server").info(
             "serving %r on http://%s:%d (method %s, k=%d, %d slots)", config.served_model_name, args.host,
             args.port, config.spec.method, config.spec.num_draft_tokens, args.parallel)
