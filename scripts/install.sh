@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a virtual environment at .venv. Safe to run again.
 #   scripts/install.sh        specdec with ik_llama.cpp's wheel (the main job; SPECDEC_MAINLINE=1 adds mainline)
-#   scripts/install.sh test   everything the tests use: both backends, torch's CPU build, test tools
+#   scripts/install.sh test   everything the tests use: both backends, torch's CPU build, Ray Serve, test tools
 #
 #   ik_llama.cpp   PyPI's prebuilt ik-llama-cpp-python wheel (x86_64, AVX2 kernels): seconds.
 #   llama.cpp      llama-cpp-python built from source for this CPU with specdec's exactness switch

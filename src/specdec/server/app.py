@@ -13,6 +13,7 @@ from fastapi import FastAPI
 import specdec
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
+from specdec.server.drain import Drain
 from specdec.server.errors import APIError, error_response, install_error_handlers
 from specdec.server.metrics import HTTPMetricsMiddleware, ServerMetrics
 from specdec.server.openapi import openapi_document
@@ -55,6 +56,10 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None) -> FastAPI
     metrics.track_caches(lambda: cross_request_sizes(engine)[0], lambda: cross_request_sizes(engine)[1],
                          lambda: sum(len(slot.target.tokens) for slot in engine.slots))
 
+    drain = Drain(scheduler, config.drain_grace)
+
+    # Start-up and stop live here, so that every host of the app (uvicorn in `specdec serve`, a Ray
+    # Serve replica) starts and stops the same runtime the same way.
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if engine.cost_model is None:
@@ -66,13 +71,14 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None) -> FastAPI
         try:
             yield
         finally:
+            await drain.run()  # already over under `specdec serve`, which drains before it stops listening
             if not scheduler.stop(timeout=15.0):
                 logger.error("the scheduler's worker is still inside a backend call; the models stay loaded")
 
     app = FastAPI(title="specdec", version=getattr(specdec, "__version__", "0"), lifespan=lifespan,
                   description="OpenAI-compatible server with lossless speculative decoding.")
     app.openapi = lambda: openapi_document(app, STREAM_CHUNKS)
-    app.state.specdec = ServerState(engine, config, scheduler, metrics, int(time.time()))
+    app.state.specdec = ServerState(engine, config, scheduler, metrics, int(time.time()), drain)
     install_error_handlers(app)
     app.include_router(router)
     if config.api_key:

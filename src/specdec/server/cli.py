@@ -43,6 +43,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(slower with several streams; for backends whose batched logits are not exact)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_model_arguments(parser)
+    add_ray_arguments(parser)
+
+
+RAY_DEFAULTS = {"address": None, "replicas": 1, "threads_per_replica": 1, "min_replicas": None, "max_replicas": None,
+                "engine_factory": None}
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Ray Serve (scale-out; needs the `ray` extra, docs/scale-out.md)")
+    group.add_argument("--ray", action="store_true",
+                       help="serve through Ray Serve: several replicas, each with its own engine, behind --host/--port")
+    group.add_argument("--address", default=None,
+                       help="a running Ray cluster to join (e.g. HEAD_IP:6379); default: start a local Ray instance")
+    group.add_argument("--replicas", type=int, default=RAY_DEFAULTS["replicas"],
+                       help="replicas (default 1; with autoscaling, the initial count)")
+    group.add_argument("--threads-per-replica", type=int, default=RAY_DEFAULTS["threads_per_replica"],
+                       help="each replica's CPU threads, and the CPUs Ray reserves for it (default 1)")
+    group.add_argument("--min-replicas", type=int, default=None,
+                       help="with --max-replicas: autoscale on ongoing requests per replica (target: --parallel)")
+    group.add_argument("--max-replicas", type=int, default=None)
+    # "module:function(models, n_slots) -> Engine" each replica builds its engine with (tests: a fake).
+    group.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
+
+
+def parse_serve_flags(argv: list[str]) -> argparse.Namespace:
+    """`specdec serve` flags parsed as the command parses them (a Serve config file's args)."""
+    parser = argparse.ArgumentParser(prog="specdec serve")
+    add_arguments(parser)
+    return parser.parse_args(argv)
 
 
 def build_config(args: argparse.Namespace, default_name: str) -> "ServerConfig":
@@ -68,11 +97,20 @@ def build_config(args: argparse.Namespace, default_name: str) -> "ServerConfig":
         max_tokens=args.max_tokens,
         request_timeout=args.request_timeout,
         stall_timeout=args.stall_timeout,
+        drain_grace=args.drain_grace,
         batch_verify=not args.sequential_verify,
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray:
+        from specdec.deploy.cli import run as run_on_ray  # the only way in which this command imports Ray
+
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return run_on_ray(args)
+    given = [name for name, default in RAY_DEFAULTS.items() if getattr(args, name) != default]
+    if given:
+        raise SpecdecError(f"--{given[0].replace('_', '-')} is a Ray Serve setting: add --ray.")
     from specdec.models.registry import TARGET, default_path
     from specdec.runtime import load_engine, model_config
     from specdec.server.app import create_app
@@ -86,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = create_app(engine, config)  # its start-up calibrates `auto` (about 10 s)
         scheduler = app.state.specdec.scheduler
-        server = make_server(app, args.host, args.port, args.drain_grace, args.log_level)
+        server = make_server(app, args.host, args.port, args.log_level)
         logging.getLogger("specdec.server").info(
             "serving %r on http://%s:%d (method %s, k=%d, %d slots)", config.served_model_name, args.host,
             args.port, config.spec.method, config.spec.num_draft_tokens, args.parallel)

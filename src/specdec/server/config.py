@@ -15,6 +15,7 @@ class ServerConfig:
     max_queue: int = 64  # requests waiting for a slot; beyond that, 429
     max_tokens: int = 1024  # the cap when a request gives no max_tokens
     request_timeout: float = 600.0  # seconds from arrival; then the generation is cut (finish_reason "length")
+    drain_grace: float = 30.0  # seconds in-flight requests may run on once the server is asked to stop
     stall_timeout: float = 120.0  # seconds a worker iteration (backend calls) may take before the server is unhealthy
     retry_after: int = 1  # seconds, in the Retry-After header of a 429
     prefill_chunk: int = 512  # prompt tokens processed per scheduler iteration (long prompts don't stall others)

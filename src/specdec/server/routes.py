@@ -16,6 +16,7 @@ from specdec.drafters.history import tenant_of_api_key
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.convert import check_model, encode_prompt, generation_request
+from specdec.server.drain import Drain
 from specdec.server.errors import APIError, json_response
 from specdec.server.metrics import ServerMetrics
 from specdec.server.protocol import (
@@ -40,6 +41,7 @@ class ServerState:
     scheduler: Scheduler
     metrics: ServerMetrics
     created: int
+    drain: Drain
 
 
 def state_of(request: Request) -> ServerState:

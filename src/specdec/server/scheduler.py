@@ -10,6 +10,8 @@ Each iteration the worker
      joining does not stall the others,
   4. asks every running generation for its plan (pending token + drafts) and verifies all of
      them in ONE batched target forward (`Backend.eval_many`), then commits each.
+The engine work of these steps is engine/batch.py's; this module keeps the queue, the tickets,
+the deadlines and the mapping of failures to errors.
 Events reach each request's asyncio queue through `loop.call_soon_threadsafe`.
 
 A backend call may never return; the worker then cannot keep time. The watchdog (watchdog.py)
@@ -26,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from specdec.engine import batch
 from specdec.engine.decoder import Generation
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
@@ -306,10 +309,7 @@ class Scheduler:
 
     def _begin(self, run: _Running) -> None:
         request = run.ticket.request
-        run.generation = self.engine.new_generation(request, slot=run.slot)
-        run.admitted_at = self.engine.clock()
-        if self.engine.config.prefix_cache:
-            run.cached_prompt_tokens = self.engine.slots[run.slot].target.reuse_prefix(request.prompt_token_ids[:-1])
+        run.generation, run.admitted_at, run.cached_prompt_tokens = batch.begin(self.engine, request, run.slot)
 
     def _sweep(self) -> None:
         """End the generations whose client left, whose time is up, or that someone else ended."""
@@ -340,22 +340,10 @@ class Scheduler:
             self._guarded(run, self._start, run)
 
     def _prefilled(self, run: _Running) -> bool:
-        return len(self.engine.slots[run.slot].target.tokens) >= len(run.ticket.request.prompt_token_ids) - 1
+        return batch.prompt_done(self.engine, run.slot, run.ticket.request)
 
     def _prefill_chunk(self, run: _Running, budget: int) -> int:
-        """Process up to `budget` more prompt tokens of this slot; returns how many."""
-        prefix = run.ticket.request.prompt_token_ids[:-1]
-        slot = self.engine.slots[run.slot]
-        done = len(slot.target.tokens)
-        end = min(len(prefix), done + budget)
-        alignment = slot.target.alignment
-        if end < len(prefix) and alignment > 1:
-            end = max(done, end // alignment * alignment)  # chunks are processed whole (sequence.py)
-        if end > done:
-            slot.target.prefill(prefix[:end])
-        if run.ticket.request.spec.method == "draft" and slot.draft is not None:
-            slot.draft.prefill(prefix[:end])
-        return end - done
+        return batch.prefill_chunk(self.engine, run.slot, run.ticket.request, budget)
 
     def _start(self, run: _Running) -> None:
         generation = run.generation
@@ -367,34 +355,17 @@ class Scheduler:
             self._deliver(run, generation.cancel())
 
     def _decode(self) -> None:
-        batch, plans = [], []
+        running, plans = [], []
         for run in [run for run in self._running.values() if run.started and not run.generation.finished]:
             tokens = self._guarded(run, run.generation.plan)  # drafting: per sequence
             if tokens is not None:
-                batch.append(run)
+                running.append(run)
                 plans.append(tokens)
-        if not batch:
+        if not running:
             return
-        requests = [(run.generation.target.seq_id, len(run.generation.target.tokens), tokens)
-                    for run, tokens in zip(batch, plans)]
-        target = self.engine.target
-        clock = self.engine.clock
-        if self.config.batch_verify:
-            t0 = clock()
-            rows = target.eval_many(requests)
-            seconds = [clock() - t0] * len(batch)
-        else:
-            rows, seconds = [], []
-            for request in requests:
-                t0 = clock()
-                rows.append(target.eval(*request))
-                seconds.append(clock() - t0)
-        for run, tokens, logits, spent in zip(batch, plans, rows, seconds):
-            generation = run.generation
-            generation.target.record(tokens)
-            generation.stats.verify_seconds += spent
-            alone = len(batch) == 1 or not self.config.batch_verify  # a batched forward times no one sequence
-            self._deliver(run, generation.commit(logits, spent if alone else None))
+        events = batch.verify_batch(self.engine, [run.generation for run in running], plans, self.config.batch_verify)
+        for run, event in zip(running, events):  # each delivered as soon as it is committed
+            self._deliver(run, event)
 
     def _deliver(self, run: _Running, event: StreamEvent) -> None:
         if event.token_ids and run.first_token_at is None:

@@ -24,7 +24,8 @@ def serve_in_thread(app, host: str = "127.0.0.1", timeout: float = 10.0,
     from specdec.server.drain import make_server
 
     port = free_port(host)
-    server = make_server(app, host, port, graceful, "warning")
+    app.state.specdec.drain.grace = graceful
+    server = make_server(app, host, port, "warning")
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -1,0 +1,89 @@
+"""The Ray Serve deployment: how many replicas, with what resources, routed how.
+
+`build_application(spec, scale)` is what `specdec serve --ray` runs; `build(args)` is the same for a
+Serve config file (`serve deploy`/`serve run`), whose `args: {flags: "..."}` are `specdec serve`
+flags, parsed by the same parser.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Optional
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from specdec.deploy.replica import ReplicaSpec, SpecdecReplica
+from specdec.types import SpecdecError
+
+DEPLOYMENT_NAME = "specdec"
+ROUTER = "specdec.deploy.router:ApiKeyAffinityRouter"
+# Seconds Ray Serve gives a stopping replica beyond the app's own drain grace.
+SHUTDOWN_MARGIN_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    replicas: int = 1  # fixed count; with autoscaling, the count to start with
+    threads_per_replica: int = 1  # the engine's CPU threads, and the CPUs Ray reserves for each replica
+    min_replicas: Optional[int] = None  # both set: autoscaling on ongoing requests per replica
+    max_replicas: Optional[int] = None
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None
+
+    def validate(self) -> None:
+        if self.replicas < 1 or self.threads_per_replica < 1:
+            raise SpecdecError("--replicas and --threads-per-replica must be >= 1.")
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise SpecdecError("autoscaling needs both --min-replicas and --max-replicas.")
+        if self.autoscaling and not (0 <= self.min_replicas <= self.max_replicas and self.max_replicas >= 1):
+            raise SpecdecError("autoscaling needs 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1.")
+
+
+def deployment_options(spec: ReplicaSpec, scale: ScaleConfig) -> dict:
+    options = dict(
+        name=DEPLOYMENT_NAME,
+        ray_actor_options={"num_cpus": scale.threads_per_replica},
+        # A replica takes as many requests as it has slots: a request whose key's replica is full
+        # goes to one with a free slot rather than wait (waiting costs more than the n-gram
+        # history it loses), and Ray holds the rest, up to the server's queue size (then 503).
+        max_ongoing_requests=spec.slots,
+        max_queued_requests=max(1, spec.server.max_queue),
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER),
+        graceful_shutdown_timeout_s=spec.server.drain_grace + SHUTDOWN_MARGIN_SECONDS,
+    )
+    if scale.autoscaling:
+        options["autoscaling_config"] = {
+            "min_replicas": scale.min_replicas,
+            "max_replicas": scale.max_replicas,
+            "initial_replicas": min(max(scale.replicas, scale.min_replicas), scale.max_replicas),
+            # One ongoing request per slot: more replicas once every slot is busy on average.
+            "target_ongoing_requests": spec.slots,
+        }
+    else:
+        options["num_replicas"] = scale.replicas
+    return options
+
+
+def build_application(spec: ReplicaSpec, scale: ScaleConfig):
+    scale.validate()
+    return serve.deployment(SpecdecReplica, **deployment_options(spec, scale)).bind(spec)
+
+
+def build(args: dict):
+    """Application builder for a Serve config file:
+
+        applications:
+          - name: specdec
+            route_prefix: /
+            import_path: specdec.deploy.app:build
+            args: {flags: "--replicas 2 --threads-per-replica 1 --parallel 4"}
+    """
+    from specdec.deploy.cli import replica_spec, scale_config
+    from specdec.server.cli import parse_serve_flags
+
+    flags = args.get("flags", "")
+    parsed = parse_serve_flags(shlex.split(flags) if isinstance(flags, str) else [str(f) for f in flags])
+    return build_application(replica_spec(parsed), scale_config(parsed))

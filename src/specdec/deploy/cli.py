@@ -1,0 +1,86 @@
+"""`specdec serve --ray`: the server on a Ray Serve cluster, started by one command.
+
+Without --address it starts a local Ray instance (and stops it at the end); with one it joins a
+running cluster, whose nodes each pull and verify the models their replicas load. The process
+stays in the foreground; SIGTERM or Ctrl-C stops the deployment (each replica drains first).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from specdec.deploy.app import ScaleConfig, build_application
+from specdec.deploy.proxy import CALLBACK, CALLBACK_ENV
+from specdec.deploy.replica import DEFAULT_ENGINE_FACTORY, ReplicaSpec
+from specdec.types import SpecdecError
+
+logger = logging.getLogger("specdec.deploy")
+APP_NAME = "specdec"
+
+
+def scale_config(args: argparse.Namespace) -> ScaleConfig:
+    scale = ScaleConfig(args.replicas, args.threads_per_replica, args.min_replicas, args.max_replicas)
+    scale.validate()
+    return scale
+
+
+def replica_spec(args: argparse.Namespace) -> ReplicaSpec:
+    from specdec.models.registry import TARGET, default_path
+    from specdec.runtime import model_config
+    from specdec.server.cli import build_config
+
+    if args.threads is not None and args.threads != args.threads_per_replica:
+        raise SpecdecError("with --ray, a replica's threads are --threads-per-replica; drop --threads.")
+    default_name = Path(args.model).stem if args.model else default_path(TARGET).stem
+    args.threads = args.threads_per_replica  # each replica's engine uses the CPUs Ray reserved for it
+    return ReplicaSpec(model_config(args), build_config(args, default_name), args.parallel,
+                       args.engine_factory or DEFAULT_ENGINE_FACTORY)
+
+
+def connect(args: argparse.Namespace) -> None:
+    """Ray: a local instance started here, or the cluster at --address."""
+    import ray
+
+    if args.address is None:
+        os.environ.setdefault(CALLBACK_ENV, CALLBACK)  # inherited by the Ray processes started here
+        ray.init(include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(address=args.address, log_to_driver=False)
+
+
+def deploy(args: argparse.Namespace, spec: ReplicaSpec, scale: ScaleConfig) -> None:
+    """The HTTP proxy on --host/--port and the deployment, running."""
+    from ray import serve
+
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_application(spec, scale), name=APP_NAME, route_prefix="/")
+    logger.info("serving %r on http://%s:%d through Ray Serve (%s)", spec.server.served_model_name, args.host,
+                args.port, f"{scale.min_replicas}..{scale.max_replicas} replicas" if scale.autoscaling
+                else f"{scale.replicas} replicas")
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    spec, scale = replica_spec(args), scale_config(args)  # bad flags fail before Ray starts
+    stop = threading.Event()
+    try:
+        connect(args)
+        # After ray.init, which installs its own SIGTERM handler (it aborts the process, exit
+        # -6); before the deployment, so that a signal during its start-up still stops cleanly.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        deploy(args, spec, scale)
+        stop.wait()
+        logger.info("stopping: each replica drains for up to %gs", args.drain_grace)
+        serve.delete(APP_NAME)  # replicas drain (the app's lifespan) before they stop
+    finally:
+        if args.address is None:
+            serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,112 @@
+"""One Ray Serve replica: an engine built from the same model configuration as `specdec serve`,
+served by the same FastAPI app (`create_app`). The app's lifespan calibrates `auto` at start and
+drains at stop, as under uvicorn; Ray Serve runs it when the replica starts and when it is
+stopped (after Serve itself has stopped routing to it and waited for its requests)."""
+from __future__ import annotations
+
+import fcntl
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import ray
+from ray import serve
+
+from specdec.backends.registry import ModelConfig
+from specdec.engine.engine import Engine
+from specdec.server.app import create_app
+from specdec.server.config import ServerConfig
+
+logger = logging.getLogger("specdec.deploy")
+
+DEFAULT_ENGINE_FACTORY = "specdec.runtime:load_engine"
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica builds; pickled once by Ray and sent to each."""
+
+    models: ModelConfig
+    server: ServerConfig
+    slots: int  # sequences each replica generates at once (`--parallel`)
+    # "module:function", called as function(models, n_slots=slots) -> Engine. Tests name a fake.
+    engine_factory: str = DEFAULT_ENGINE_FACTORY
+
+
+def import_callable(path: str) -> Callable:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def pull_default_models(models: ModelConfig) -> None:
+    """The default pair, fetched and verified on this node if it has not got it yet (`specdec
+    models pull`'s code and cache). A lock, because the replicas of one node share that cache;
+    a model already there is only checked (size, and the sha256 stamp of an earlier check)."""
+    from specdec.models.pull import pull, verify_cached
+    from specdec.models.registry import DRAFT, TARGET, default_path
+    from specdec.types import SpecdecError
+
+    wanted = [spec for spec, path in ((TARGET, models.target), (DRAFT, models.draft if models.load_draft else ""))
+              if path is None]
+    if not wanted:
+        return
+    lock_path = default_path(TARGET).parent / ".pull.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for spec in wanted:
+            try:
+                verify_cached(default_path(spec), spec)
+            except SpecdecError:
+                logger.info("pulling %s onto this node", spec.name)
+                pull(spec)
+
+
+class ReplicaHeaders:
+    """Name the replica and the Ray node that answered (`X-Specdec-Replica`, `X-Specdec-Node`):
+    which replica a key lives on, which one a failed stream was on."""
+
+    def __init__(self, app, replica: str, node: str):
+        self.app = app
+        self.headers = [(b"x-specdec-replica", replica.encode()), (b"x-specdec-node", node.encode())]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_headers(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), *self.headers]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+@serve.ingress()  # the app is built per replica, around its own engine (__serve_build_asgi_app__)
+class SpecdecReplica:
+    def __init__(self, spec: ReplicaSpec):
+        if spec.engine_factory == DEFAULT_ENGINE_FACTORY:
+            pull_default_models(spec.models)
+        self.engine: Engine = import_callable(spec.engine_factory)(spec.models, n_slots=spec.slots)
+        # Not `self.app`: Ray's ASGI wrapper, which this class becomes, has a read-only `app`.
+        self.specdec_app = create_app(self.engine, spec.server)
+        self.specdec_app.add_middleware(ReplicaHeaders, replica=serve.get_replica_context().replica_id.unique_id,
+                                        node=ray.get_runtime_context().get_node_id())
+
+    def __serve_build_asgi_app__(self):
+        return self.specdec_app
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose backend has stalled, or whose worker has
+        died, is replaced (a drain is not a failure)."""
+        health = self.specdec_app.state.specdec.scheduler.health()
+        if health.status == "unhealthy":
+            raise RuntimeError(f"specdec replica unhealthy: {health.reason}")
+
+    def __del__(self):
+        # Ray Serve calls this after the app's lifespan has drained and stopped the scheduler.
+        # Never close the models under a worker still inside a backend call: the process ends anyway.
+        app = getattr(self, "specdec_app", None)
+        if app is not None and app.state.specdec.scheduler.join(0):
+            self.engine.close()

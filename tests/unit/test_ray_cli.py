@@ -1,0 +1,66 @@
+"""`specdec serve --ray` itself, as a user runs it: the command starts its own local Ray, serves
+through Ray's proxy (fake engines), and on SIGTERM deletes the deployment, stops Ray and exits 0."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from specdec.server.testing import free_port  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+TESTS = Path(__file__).resolve().parents[1]
+SRC = TESTS.parent / "src"
+
+
+def test_serve_ray_command_serves_then_stops_on_sigterm():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "specdec.cli", "serve", "--ray", "--port", str(port), "--replicas", "2",
+               "--model", "fake.gguf", "--served-model-name", "m", "--method", "ngram", "--drain-grace", "5",
+               "--engine-factory", "fakes.fake_serve:fake_engine", "--log-level", "warning"]
+    body = {"model": "m", "prompt": "the cat sat", "max_tokens": 8, "temperature": 0}
+    with tempfile.TemporaryFile() as log:
+        # Its own session: whatever Ray leaves behind can be ended with the group.
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    response = httpx.post(url + "/v1/completions", json=body, timeout=10)
+                    if response.status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if process.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    pytest.fail(f"specdec serve --ray did not serve:\n{log.read().decode(errors='replace')[-3000:]}")
+                time.sleep(0.5)
+            assert response.json()["choices"][0]["finish_reason"] == "length"
+            replicas = {httpx.post(url + "/v1/completions", json=body, timeout=10,
+                                   headers={"Authorization": f"Bearer k{i}"}).headers["x-specdec-replica"]
+                        for i in range(16)}
+            assert len(replicas) == 2
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(90) == 0
+            with pytest.raises(httpx.TransportError):
+                httpx.get(url + "/health", timeout=5)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # Ray's agents, should they outlive their raylet
+            except ProcessLookupError:
+                pass
