@@ -71,6 +71,18 @@ def node_args(num_cpus: int) -> dict:
                 dashboard_agent_listen_port=agent_listen)
 
 
+def deploy_on(cluster) -> int:
+    """Connects to `cluster`, starts Serve's one proxy on the head and the app with FLAGS' two
+    replicas; returns the proxy's port once both replicas run."""
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    args = parse_serve_flags(FLAGS)
+    serve.run(build_application(replica_spec(args), scale_config(args)), name=APP_NAME, route_prefix="/")
+    wait_for_running(2)
+    return port
+
+
 START_FAILURES: list[str] = []  # pytest sets a failed module fixture up again for every test: once is enough
 
 
@@ -90,12 +102,7 @@ def endpoint():
     try:
         try:
             cluster = Cluster(initialize_head=True, head_node_args=node_args(2))  # one replica per CPU
-            ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-            port = free_port()
-            serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-            args = parse_serve_flags(FLAGS)
-            serve.run(build_application(replica_spec(args), scale_config(args)), name=APP_NAME, route_prefix="/")
-            wait_for_running(2)
+            port = deploy_on(cluster)
         except Exception as exc:
             START_FAILURES.append(repr(exc)[:500])
             raise

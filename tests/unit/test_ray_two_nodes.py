@@ -10,12 +10,7 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from test_ray_serve import (  # noqa: E402
-    APP_NAME, FLAGS, SRC, TESTS, answer, build_application, node_args, parse_serve_flags, replica_spec,
-    scale_config, wait_for_running,
-)
-
-from specdec.server.testing import free_port  # noqa: E402
+from test_ray_serve import SRC, TESTS, answer, deploy_on, node_args  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -28,13 +23,8 @@ def test_replicas_on_both_nodes_and_both_serve():
     cluster = Cluster(initialize_head=True, head_node_args=node_args(1))
     try:
         cluster.add_node(**node_args(1))
-        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-        port = free_port()
         # One proxy, on the head: both nodes share this machine's loopback address.
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        args = parse_serve_flags(FLAGS)
-        serve.run(build_application(replica_spec(args), scale_config(args)), name=APP_NAME, route_prefix="/")
-        wait_for_running(2)
+        port = deploy_on(cluster)
         nodes = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
         assert len(nodes) == 2
         served = {(r.headers["x-specdec-replica"], r.headers["x-specdec-node"])
