@@ -41,9 +41,11 @@ def test_deployment_options_from_serve_flags():
     assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 1,
                                              "target_ongoing_requests": 3}
     assert options["request_router_config"].request_router_class == ROUTER
+    assert options["request_router_config"].request_router_kwargs == {"prefix_chars": 1024}
     fixed = deployment_options(spec, ScaleConfig(replicas=2))
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
-    for bad in (ScaleConfig(replicas=0), ScaleConfig(min_replicas=1), ScaleConfig(min_replicas=3, max_replicas=2)):
+    for bad in (ScaleConfig(replicas=0), ScaleConfig(min_replicas=1), ScaleConfig(min_replicas=3, max_replicas=2),
+                ScaleConfig(prefix_routing_chars=1000)):
         with pytest.raises(SpecdecError):
             bad.validate()
     with pytest.raises(SpecdecError, match="--threads-per-replica"):
@@ -74,26 +76,118 @@ def test_rendezvous_ranking_is_stable_and_spreads_keys():
     assert all(30 <= n <= 70 for n in share.values()), share  # 50 expected each
 
 
-def test_the_api_key_is_read_from_the_proxied_request():
+def proxied(headers):
     from ray.serve._private.common import RequestMetadata, StreamingHTTPRequest
     from ray.serve.request_router import PendingRequest
 
-    from specdec.deploy.router import api_key_of
+    scope = {"type": "http", "path": "/v1/completions", "headers": headers}
+    return PendingRequest(args=[pickle.dumps(StreamingHTTPRequest(scope, proxy_actor_name="proxy"))], kwargs={},
+                          metadata=RequestMetadata(request_id="r", internal_request_id="i"))
 
-    def pending(headers):
-        scope = {"type": "http", "path": "/v1/completions", "headers": headers}
-        return PendingRequest(args=[pickle.dumps(StreamingHTTPRequest(scope, proxy_actor_name="proxy"))], kwargs={},
-                              metadata=RequestMetadata(request_id="r", internal_request_id="i"))
 
-    async def keys():
-        return [api_key_of(pending([(b"authorization", b"Bearer k-1")])),
-                api_key_of(pending([(b"Authorization", b"bearer  k-2 ")])),
-                api_key_of(pending([(b"authorization", b"Basic abc")])),
-                api_key_of(pending([])),
-                api_key_of(PendingRequest(args=["not a proxied request"], kwargs={},
-                                          metadata=RequestMetadata(request_id="r", internal_request_id="i")))]
+def test_the_api_key_is_read_from_the_proxied_request():
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
 
-    assert asyncio.run(keys()) == ["k-1", "k-2", None, None, None]
+    from specdec.deploy.router import api_key_of, proxied_headers
+
+    def key(pending):
+        return api_key_of(proxied_headers(pending))
+
+    assert [key(proxied([(b"authorization", b"Bearer k-1")])), key(proxied([(b"Authorization", b"bearer  k-2 ")])),
+            key(proxied([(b"authorization", b"Basic abc")])), key(proxied([])),
+            key(PendingRequest(args=["not a proxied request"], kwargs={},
+                               metadata=RequestMetadata(request_id="r", internal_request_id="i")))] == \
+        ["k-1", "k-2", None, None, None]
+
+
+# -- prefix affinity -------------------------------------------------------------------------------
+def test_prompt_text_reads_chat_messages_and_completion_prompts():
+    from specdec.deploy.prefix import prompt_text
+
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "Sum "}, {"type": "image_url"},
+                                                      {"type": "text", "text": "this"}]}]}
+    assert prompt_text(chat) == "system\nBe brief.\nuser\nSum this\n"
+    assert prompt_text({"prompt": "once upon"}) == "once upon"
+    assert prompt_text({"prompt": ["first", "second"]}) == "first"
+    assert prompt_text({"prompt": [101, 7, 9]}) == "101 7 9"
+    assert prompt_text({"prompt": None}) == prompt_text([1, 2]) == prompt_text({}) == ""
+
+
+def test_prefix_digests_agree_exactly_as_far_as_the_texts_do():
+    from specdec.deploy.prefix import BLOCK_CHARS, MAX_BLOCKS, prefix_digests, routing_digest, validate_prefix_chars
+
+    shared = "x" * 600
+    a, b = prefix_digests(shared + "a" * 300), prefix_digests(shared + "b" * 300)
+    assert len(a) == len(b) == 3  # 900 characters: three whole blocks
+    assert a[:2] == b[:2] and a[2] != b[2]  # they part in the third block
+    assert prefix_digests("y" * (BLOCK_CHARS - 1)) == []
+    assert len(prefix_digests("z" * BLOCK_CHARS * (MAX_BLOCKS + 5))) == MAX_BLOCKS
+    header = ",".join(a).encode()
+    assert routing_digest(header, 512) == a[1] and routing_digest(header, 1024) is None
+    assert routing_digest(header, 0) is None and routing_digest(None, 512) is None
+    assert validate_prefix_chars(0) is None and validate_prefix_chars(1024) is None
+    assert all(validate_prefix_chars(bad) for bad in (-256, 1000, BLOCK_CHARS * (MAX_BLOCKS + 1)))
+
+
+def test_affinity_is_the_prompt_prefix_then_the_api_key():
+    from specdec.deploy.prefix import PREFIX_HEADER, encode_header, prefix_digests
+    from specdec.deploy.router import affinity_of
+
+    long_prompt = encode_header(prefix_digests("d" * 2000))
+    short_prompt = encode_header(prefix_digests("d" * 700))
+    key = (b"authorization", b"Bearer k-1")
+    by_prefix = affinity_of({PREFIX_HEADER: long_prompt, key[0]: key[1]}, 1024)
+    assert by_prefix.startswith("prefix:")
+    assert by_prefix == affinity_of({PREFIX_HEADER: long_prompt, key[0]: b"Bearer other"}, 1024)  # any key
+    by_key = affinity_of({PREFIX_HEADER: short_prompt, key[0]: key[1]}, 1024)
+    assert by_key.startswith("key:") and "k-1" not in by_key
+    assert affinity_of({PREFIX_HEADER: long_prompt, key[0]: key[1]}, 0) == by_key  # prefix routing off
+    assert affinity_of({PREFIX_HEADER: short_prompt}, 1024) is None  # Ray's default then
+
+
+def run_prefix_middleware(scope, chunks):
+    """What the app behind PromptPrefixHeader receives: (its scope, the body it reads)."""
+    from specdec.deploy.proxy import PromptPrefixHeader
+
+    seen = {}
+    incoming = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+
+    async def app(inner_scope, receive, send):
+        seen["scope"], body = inner_scope, b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        seen["body"] = body
+
+    async def receive():
+        return incoming.pop(0)
+
+    async def send(message):
+        pass
+
+    asyncio.run(PromptPrefixHeader(app)(scope, receive, send))
+    return seen["scope"], seen["body"]
+
+
+def test_the_proxy_passes_the_prompt_prefix_and_the_body_unchanged():
+    from specdec.deploy.prefix import PREFIX_HEADER, prefix_digests, prompt_text
+
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "long " * 300}]}).encode()
+    forged = (PREFIX_HEADER, b"forged")
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [forged]}
+    inner_scope, received = run_prefix_middleware(scope, [body[:100], body[100:]])
+    assert received == body
+    headers = dict(inner_scope["headers"])
+    assert headers[PREFIX_HEADER].decode().split(",") == prefix_digests(prompt_text(json.loads(body)))
+    assert (PREFIX_HEADER, b"forged") not in inner_scope["headers"]
+    inner_scope, received = run_prefix_middleware(dict(scope, headers=[forged]), [b"{not json"])
+    assert received == b"{not json" and inner_scope["headers"] == []  # the replica answers the 400
+    get = {"type": "http", "method": "GET", "path": "/v1/models", "headers": [forged]}
+    assert run_prefix_middleware(get, [b""])[0] is get  # other routes: untouched
 
 
 # -- the proxy's middleware ------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """specdec on Ray Serve: local Ray (one node of 2 CPUs), 2 replicas of a fake-backend engine,
 loopback only. The official `openai` client sync, async and streaming through Ray's HTTP proxy;
-errors keep their OpenAI shape; one API key's requests stay on one replica; a replica killed
+errors keep their OpenAI shape; one API key's requests stay on one replica, and so do requests
+sharing a long prompt prefix; a replica killed
 mid-stream ends the stream with an OpenAI error event, is replaced, and later requests succeed;
 a batch of 40 with a replica killed mid-run ends with every id exactly once. Ray starts once for
 the module."""
@@ -181,6 +182,18 @@ def test_one_api_key_stays_on_one_replica(endpoint):
         homes[key] = seen.pop()
     # Rendezvous hashing spreads keys over both replicas (all 16 on one: probability 2^-15).
     assert len(set(homes.values())) == 2
+
+
+def test_a_long_shared_prompt_prefix_goes_to_one_replica_whatever_the_key(endpoint):
+    # 1,100 shared characters, then each request its own question and key: all on the replica
+    # that holds the shared part (--prefix-routing-chars 1024 by default).
+    homes = {}
+    for d in range(16):
+        document = f"document {d}: " + "the cat sat on the mat. " * 45
+        seen = {served_by(endpoint, f"reader-{d}-{q}", document + f" question {q}?") for q in range(3)}
+        assert len(seen) == 1, f"document {d} was served by {seen}"
+        homes[d] = seen.pop()
+    assert len(set(homes.values())) == 2  # different documents spread (all on one: 2^-15)
 
 
 def kill_replica(unique_id: str) -> None:

@@ -13,11 +13,12 @@ from typing import Optional
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from specdec.deploy.prefix import DEFAULT_PREFIX_CHARS, validate_prefix_chars
 from specdec.deploy.replica import ReplicaSpec, SpecdecReplica
 from specdec.types import SpecdecError
 
 DEPLOYMENT_NAME = "specdec"
-ROUTER = "specdec.deploy.router:ApiKeyAffinityRouter"
+ROUTER = "specdec.deploy.router:AffinityRouter"
 # Seconds Ray Serve gives a stopping replica beyond the app's own drain grace.
 SHUTDOWN_MARGIN_SECONDS = 5.0
 
@@ -28,6 +29,7 @@ class ScaleConfig:
     threads_per_replica: int = 1  # the engine's CPU threads, and the CPUs Ray reserves for each replica
     min_replicas: Optional[int] = None  # both set: autoscaling on ongoing requests per replica
     max_replicas: Optional[int] = None
+    prefix_routing_chars: int = DEFAULT_PREFIX_CHARS  # route on the prompt's first N characters; 0: off
 
     @property
     def autoscaling(self) -> bool:
@@ -40,6 +42,9 @@ class ScaleConfig:
             raise SpecdecError("autoscaling needs both --min-replicas and --max-replicas.")
         if self.autoscaling and not (0 <= self.min_replicas <= self.max_replicas and self.max_replicas >= 1):
             raise SpecdecError("autoscaling needs 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1.")
+        problem = validate_prefix_chars(self.prefix_routing_chars)
+        if problem:
+            raise SpecdecError(problem)
 
 
 def deployment_options(spec: ReplicaSpec, scale: ScaleConfig) -> dict:
@@ -51,7 +56,8 @@ def deployment_options(spec: ReplicaSpec, scale: ScaleConfig) -> dict:
         # history it loses), and Ray holds the rest, up to the server's queue size (then 503).
         max_ongoing_requests=spec.slots,
         max_queued_requests=max(1, spec.server.max_queue),
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER),
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTER, request_router_kwargs={"prefix_chars": scale.prefix_routing_chars}),
         graceful_shutdown_timeout_s=spec.server.drain_grace + SHUTDOWN_MARGIN_SECONDS,
     )
     if scale.autoscaling:

@@ -23,7 +23,8 @@ APP_NAME = "specdec"
 
 
 def scale_config(args: argparse.Namespace) -> ScaleConfig:
-    scale = ScaleConfig(args.replicas, args.threads_per_replica, args.min_replicas, args.max_replicas)
+    scale = ScaleConfig(args.replicas, args.threads_per_replica, args.min_replicas, args.max_replicas,
+                        prefix_routing_chars=args.prefix_routing_chars)
     scale.validate()
     return scale
 

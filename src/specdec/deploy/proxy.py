@@ -1,5 +1,5 @@
-"""Middleware for Ray Serve's HTTP proxy: a response that its replica could not finish still ends
-the way an OpenAI client expects.
+"""Middlewares for Ray Serve's HTTP proxy: a response that its replica could not finish still ends
+the way an OpenAI client expects, and the request router learns what a prompt starts with.
 
 A replica that dies mid-stream leaves Ray's proxy with nothing to send: it stops, and the client
 would see a connection cut short (or, before any byte, nothing at all). This middleware, which
@@ -19,6 +19,7 @@ import logging
 
 from starlette.middleware import Middleware
 
+from specdec.deploy.prefix import COMPLETION_PATHS, PREFIX_HEADER, encode_header, prefix_digests, prompt_text
 from specdec.server.errors import APIError, error_body
 from specdec.server.sse import DONE, sse_error
 
@@ -71,6 +72,51 @@ class ReplicaFailureGuard:
             logger.debug("could not end the response of %s", scope.get("path"), exc_info=True)
 
 
+class PromptPrefixHeader:
+    """Reads a completion request's JSON body in the proxy and passes digests of its prompt's
+    leading blocks to the request router in a header (prefix.py), replacing any the client sent;
+    the body then goes on to the replica unchanged."""
+
+    MAX_BODY = 4 << 20  # larger bodies are forwarded without the header
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in COMPLETION_PATHS:
+            return await self.app(scope, receive, send)
+        chunks, message = [], {"type": "http.request"}
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client left: the app sees that as it would have
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        headers = [(name, value) for name, value in scope.get("headers", ()) if name.lower() != PREFIX_HEADER]
+        if len(body) <= self.MAX_BODY:
+            try:
+                digests = prefix_digests(prompt_text(json.loads(body)))
+            except (ValueError, UnicodeDecodeError):  # not JSON: the replica answers 400 as usual
+                digests = []
+            if digests:
+                headers.append((PREFIX_HEADER, encode_header(digests)))
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                if message["type"] != "http.request":
+                    return message
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app({**scope, "headers": headers}, replay, send)
+
+
 def middlewares() -> list[Middleware]:
-    """The callback Ray's proxy calls (CALLBACK_ENV)."""
-    return [Middleware(ReplicaFailureGuard)]
+    """The callback Ray's proxy calls (CALLBACK_ENV). Ray wraps the app in them in list order, so
+    the last is outermost: the guard also ends a response that failed inside the prefix one."""
+    return [Middleware(PromptPrefixHeader), Middleware(ReplicaFailureGuard)]
