@@ -1,6 +1,7 @@
 """The parts of the Ray Serve deployment that need no running cluster: API-key affinity ranking,
 the proxy middleware that ends a stream whose replica died, the deployment's options from
-`specdec serve` flags, and the flags' checks."""
+`specdec serve` flags, and the flags' checks, the application's two deployments, and the merge of
+every replica's metrics into one exposition."""
 from __future__ import annotations
 
 import asyncio
@@ -273,7 +274,91 @@ def test_the_serve_config_builder_takes_the_commands_flags():
     from specdec.deploy.app import build
     from specdec.types import SpecdecError
 
-    assert isinstance(build({"flags": "--replicas 3 --threads-per-replica 2 --model t.gguf"}), Application)
+    app = build({"flags": "--replicas 3 --threads-per-replica 2 --model t.gguf"})
+    assert isinstance(app, Application)
     assert isinstance(build({"flags": ["--replicas", "2", "--model", "t.gguf"]}), Application)
     with pytest.raises(SpecdecError):
         build({"flags": "--replicas 0 --model t.gguf"})
+
+
+def test_the_replicas_are_the_ingress_and_the_metrics_hub_a_second_deployment():
+    from ray.serve._private.build_app import build_app
+
+    from specdec.deploy.app import DEPLOYMENT_NAME, METRICS_HUB_NAME, ROUTER, build
+
+    built = build_app(build({"flags": "--replicas 2 --model t.gguf"}), name="specdec")
+    assert built.ingress_deployment_name == DEPLOYMENT_NAME  # Ray's proxy sends HTTP to the replicas
+    deployments = {d.name: d for d in built.deployments}
+    assert set(deployments) == {DEPLOYMENT_NAME, METRICS_HUB_NAME}
+    assert deployments[DEPLOYMENT_NAME].num_replicas == 2
+    assert deployments[DEPLOYMENT_NAME]._deployment_config.request_router_config.request_router_class == ROUTER
+    hub = deployments[METRICS_HUB_NAME]
+    assert hub.num_replicas == 1 and hub.ray_actor_options["num_cpus"] == 0
+    # the hub keeps Ray's default router: the API-key router is the replicas' alone
+    assert hub._deployment_config.request_router_config.request_router_class != ROUTER
+    handle = deployments[DEPLOYMENT_NAME].init_args[1]  # handed to each replica's constructor
+    assert handle.deployment_name == METRICS_HUB_NAME
+
+
+# -- metrics of every replica ------------------------------------------------------------------------
+def replica_metrics(requests: int, generated: int):
+    from specdec.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    for _ in range(requests):
+        metrics.observe_finished({"generated_tokens": generated, "method": "ngram", "draft_rounds": 1,
+                                  "accepted_per_position": [1]}, "length", 0.3)
+    metrics.observe_http("/v1/completions", 200, 0.3)
+    return metrics
+
+
+def test_merged_metrics_are_each_family_once_with_every_replicas_samples_labelled():
+    from fakes.scrape import by_replica, families_of
+
+    from specdec.deploy.metrics import REPLICA_LABEL, merge_replicas, snapshot
+
+    a, b = replica_metrics(2, 5), replica_metrics(3, 7)
+    merged = families_of(merge_replicas({"a": snapshot(a), "b": snapshot(b)}).decode())
+    alone = {"a": families_of(a.render().decode()), "b": families_of(b.render().decode())}
+    assert set(merged) == set(alone["a"])
+    for name, family in merged.items():
+        assert family.type == alone["a"][name].type and family.documentation == alone["a"][name].documentation
+        # every sample of each replica, and nothing else, under that replica's label
+        for replica, own in alone.items():
+            mine = [(s.name, {k: v for k, v in s.labels.items() if k != REPLICA_LABEL}, s.value)
+                    for s in family.samples if s.labels[REPLICA_LABEL] == replica]
+            assert mine == [(s.name, s.labels, s.value) for s in own[name].samples]
+        assert {s.labels[REPLICA_LABEL] for s in family.samples} <= {"a", "b"}
+
+    assert by_replica(merged, "specdec:request_success", "specdec:request_success_total",
+                      finished_reason="length") == {"a": 2, "b": 3}
+    assert by_replica(merged, "specdec:generation_tokens", "specdec:generation_tokens_total") == {"a": 10, "b": 21}
+    assert by_replica(merged, "specdec:e2e_request_latency_seconds", "specdec:e2e_request_latency_seconds_bucket",
+                      le="0.5") == {"a": 2, "b": 3}
+    assert merge_replicas({}) == b""  # no replica heard from yet: an empty, valid exposition
+
+
+def test_the_hub_forgets_a_replica_that_stopped_or_went_silent():
+    from fakes.scrape import families_of, replicas_of
+
+    from specdec.deploy.metrics import MetricsHub, snapshot
+
+    clock = [100.0]
+    hub = MetricsHub(push_interval=2.0, clock=lambda: clock[0])
+
+    def replicas_in(text: bytes) -> set:
+        return replicas_of(families_of(text.decode()))
+
+    async def scenario():
+        await hub.push("a", snapshot(replica_metrics(1, 1)))
+        await hub.push("b", snapshot(replica_metrics(1, 1)))
+        await hub.push("c", snapshot(replica_metrics(1, 1)))
+        seen = [replicas_in(await hub.exposition("a", snapshot(replica_metrics(1, 1))))]
+        await hub.forget("c")  # stopped: gone at once
+        clock[0] += 5.9  # b silent for just under 3 push intervals: still there
+        seen.append(replicas_in(await hub.exposition("a", snapshot(replica_metrics(1, 1)))))
+        clock[0] += 0.2  # now past them: taken for dead
+        seen.append(replicas_in(await hub.exposition("a", snapshot(replica_metrics(1, 1)))))
+        return seen
+
+    assert asyncio.run(scenario()) == [{"a", "b", "c"}, {"a", "b"}, {"a"}]

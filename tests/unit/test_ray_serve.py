@@ -3,8 +3,8 @@ loopback only. The official `openai` client sync, async and streaming through Ra
 errors keep their OpenAI shape; one API key's requests stay on one replica, and so do requests
 sharing a long prompt prefix; a replica killed
 mid-stream ends the stream with an OpenAI error event, is replaced, and later requests succeed;
-a batch of 40 with a replica killed mid-run ends with every id exactly once. Ray starts once for
-the module."""
+a batch of 40 with a replica killed mid-run ends with every id exactly once; /metrics through the
+proxy covers every replica, and a killed one's series leave it. Ray starts once for the module."""
 from __future__ import annotations
 
 import asyncio
@@ -22,10 +22,13 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
+from fakes.scrape import by_replica, families_of, replicas_of  # noqa: E402
+
 from specdec.client import AsyncClient, RetryPolicy  # noqa: E402
 from specdec.client.batch import RunSettings, read_input, read_results, run_batch  # noqa: E402
 from specdec.deploy.app import DEPLOYMENT_NAME, build_application  # noqa: E402
 from specdec.deploy.cli import APP_NAME, replica_spec, scale_config  # noqa: E402
+from specdec.deploy.metrics import EXPIRY_INTERVALS, PUSH_INTERVAL_SECONDS  # noqa: E402
 from specdec.deploy.proxy import CALLBACK, CALLBACK_ENV  # noqa: E402
 from specdec.server.cli import parse_serve_flags  # noqa: E402
 from specdec.server.testing import free_port  # noqa: E402
@@ -257,6 +260,78 @@ def test_batch_with_a_replica_killed_mid_run_ends_with_every_id_once(endpoint, t
     assert all(r["error"] is None and r["text"] for r in records)
     retried = [r for r in records if len(r["attempts"]) > 1]
     assert retried, "the kill should have failed at least one request in flight"
+    wait_for_running(2)
+
+
+def scrape(endpoint) -> dict:
+    """Families of one GET /metrics through the proxy (whichever replica answers)."""
+    response = httpx.get(endpoint + "/metrics", headers={"Authorization": "Bearer scraper"}, timeout=30)
+    assert response.status_code == 200, response.text
+    return families_of(response.text)
+
+
+def scrape_until(endpoint, done, timeout: float) -> tuple[dict, float]:
+    """Scrapes until done(families); returns them and the seconds it took. A scrape that lands on
+    a replica just killed fails (the proxy learns of it late): the next one goes elsewhere."""
+    started = time.monotonic()
+    while True:
+        try:
+            families = scrape(endpoint)
+            if done(families):
+                return families, time.monotonic() - started
+        except (AssertionError, httpx.HTTPError):
+            pass
+        assert time.monotonic() - started < timeout, "the scrape never got there"
+        time.sleep(0.2)
+
+
+def live_replicas() -> set:
+    """The unique ids of the deployment's live replica actors (SERVE_REPLICA::app#deployment#id)."""
+    prefix = f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#"
+    return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)}
+
+
+SUCCESS = ("specdec:request_success", "specdec:request_success_total")
+GENERATED = ("specdec:generation_tokens", "specdec:generation_tokens_total")
+
+
+def test_metrics_through_the_proxy_cover_every_replica(endpoint):
+    # Earlier tests killed replicas: wait until the scrape shows exactly the live ones, then one
+    # push interval more, so that every replica's last push is after its last request.
+    wait_for_running(2)
+    scrape_until(endpoint, lambda families: replicas_of(families) == live_replicas(), timeout=60)
+    time.sleep(PUSH_INTERVAL_SECONDS * 1.5)
+    before = scrape(endpoint)
+
+    sent, generated = Counter(), Counter()
+    for i in range(12):  # keys spread over both replicas (all on one: probability 2^-11)
+        response = answer(endpoint, f"metrics-{i}")
+        replica = response.headers["x-specdec-replica"]
+        sent[replica] += 1
+        generated[replica] += response.json()["usage"]["completion_tokens"]
+    assert len(sent) == 2 and set(sent) == live_replicas()
+
+    def delta(families, family, sample):
+        now, earlier = by_replica(families, family, sample), by_replica(before, family, sample)
+        return Counter({r: v - earlier.get(r, 0) for r, v in now.items() if v != earlier.get(r, 0)})
+
+    # The replica answering pushes its own counts at once; the other's arrive with its next push.
+    after, _ = scrape_until(endpoint, lambda families: sum(delta(families, *SUCCESS).values()) >= 12,
+                            timeout=PUSH_INTERVAL_SECONDS * 3 + 10)
+    assert delta(after, *SUCCESS) == sent  # each replica's counter, under its own label
+    assert delta(after, *GENERATED) == generated
+    assert replicas_of(after) == set(sent)
+    # Every family of a replica's own registry, for both: histograms with their buckets.
+    buckets = by_replica(after, "specdec:e2e_request_latency_seconds", "specdec:e2e_request_latency_seconds_bucket",
+                         le="+Inf")
+    assert set(buckets) == set(sent) and all(n >= sent[r] for r, n in buckets.items())
+
+    # A killed replica says nothing: the hub forgets it after EXPIRY_INTERVALS missed pushes.
+    victim = sorted(sent)[0]
+    kill_replica(victim)
+    _, took = scrape_until(endpoint, lambda families: victim not in replicas_of(families), timeout=60)
+    assert took < PUSH_INTERVAL_SECONDS * (EXPIRY_INTERVALS + 1) + 5, took
     wait_for_running(2)
 
 

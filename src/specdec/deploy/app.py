@@ -2,7 +2,8 @@
 
 `build_application(spec, scale)` is what `specdec serve --ray` runs; `build(args)` is the same for a
 Serve config file (`serve deploy`/`serve run`), whose `args: {flags: "..."}` are `specdec serve`
-flags, parsed by the same parser.
+flags, parsed by the same parser. The application has two deployments: the replicas (its HTTP
+ingress) and the metrics hub they push to (metrics.py), bound into the replicas' arguments.
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from typing import Optional
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from specdec.deploy.metrics import MetricsHub
 from specdec.deploy.prefix import DEFAULT_PREFIX_CHARS, validate_prefix_chars
 from specdec.deploy.replica import ReplicaSpec, SpecdecReplica
 from specdec.types import SpecdecError
 
 DEPLOYMENT_NAME = "specdec"
+METRICS_HUB_NAME = "specdec-metrics"
 ROUTER = "specdec.deploy.router:AffinityRouter"
 # Seconds Ray Serve gives a stopping replica beyond the app's own drain grace.
 SHUTDOWN_MARGIN_SECONDS = 5.0
@@ -73,9 +76,17 @@ def deployment_options(spec: ReplicaSpec, scale: ScaleConfig) -> dict:
     return options
 
 
+def metrics_hub_options() -> dict:
+    # No CPU reserved: it only merges text, and must not take a CPU a replica was sized for.
+    # Every replica pushes to it and scrapes pass through it: let them all in at once.
+    return dict(name=METRICS_HUB_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+
+
 def build_application(spec: ReplicaSpec, scale: ScaleConfig):
+    """The replicas, bound last: the application's ingress, the deployment Ray's proxy sends HTTP to."""
     scale.validate()
-    return serve.deployment(SpecdecReplica, **deployment_options(spec, scale)).bind(spec)
+    hub = serve.deployment(MetricsHub, **metrics_hub_options()).bind()
+    return serve.deployment(SpecdecReplica, **deployment_options(spec, scale)).bind(spec, hub)
 
 
 def build(args: dict):

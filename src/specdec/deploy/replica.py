@@ -1,7 +1,9 @@
 """One Ray Serve replica: an engine built from the same model configuration as `specdec serve`,
 served by the same FastAPI app (`create_app`). The app's lifespan calibrates `auto` at start and
 drains at stop, as under uvicorn; Ray Serve runs it when the replica starts and when it is
-stopped (after Serve itself has stopped routing to it and waited for its requests)."""
+stopped (after Serve itself has stopped routing to it and waited for its requests). Its /metrics
+answers with the series of every replica of the deployment, gathered by the metrics hub
+(metrics.py)."""
 from __future__ import annotations
 
 import fcntl
@@ -14,6 +16,7 @@ import ray
 from ray import serve
 
 from specdec.backends.registry import ModelConfig
+from specdec.deploy.metrics import HubLink
 from specdec.engine.engine import Engine
 from specdec.server.app import create_app
 from specdec.server.config import ServerConfig
@@ -85,14 +88,17 @@ class ReplicaHeaders:
 
 @serve.ingress()  # the app is built per replica, around its own engine (__serve_build_asgi_app__)
 class SpecdecReplica:
-    def __init__(self, spec: ReplicaSpec):
+    # async: Ray runs it on the replica's event loop, where the metrics pushes then run.
+    async def __init__(self, spec: ReplicaSpec, metrics_hub):
         if spec.engine_factory == DEFAULT_ENGINE_FACTORY:
             pull_default_models(spec.models)
         self.engine: Engine = import_callable(spec.engine_factory)(spec.models, n_slots=spec.slots)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.hub_link = HubLink(metrics_hub, replica)
         # Not `self.app`: Ray's ASGI wrapper, which this class becomes, has a read-only `app`.
-        self.specdec_app = create_app(self.engine, spec.server)
-        self.specdec_app.add_middleware(ReplicaHeaders, replica=serve.get_replica_context().replica_id.unique_id,
-                                        node=ray.get_runtime_context().get_node_id())
+        self.specdec_app = create_app(self.engine, spec.server, metrics_exposition=self.hub_link.exposition)
+        self.specdec_app.add_middleware(ReplicaHeaders, replica=replica, node=ray.get_runtime_context().get_node_id())
+        self.hub_link.start(self.specdec_app.state.specdec.metrics)
 
     def __serve_build_asgi_app__(self):
         return self.specdec_app
@@ -104,8 +110,10 @@ class SpecdecReplica:
         if health.status == "unhealthy":
             raise RuntimeError(f"specdec replica unhealthy: {health.reason}")
 
-    def __del__(self):
+    async def __del__(self):
         # Ray Serve calls this after the app's lifespan has drained and stopped the scheduler.
+        if getattr(self, "hub_link", None) is not None:
+            await self.hub_link.stop()
         # Never close the models under a worker still inside a backend call: the process ends anyway.
         app = getattr(self, "specdec_app", None)
         if app is not None and app.state.specdec.scheduler.join(0):

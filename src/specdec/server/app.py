@@ -5,7 +5,7 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 import anyio.to_thread
 from fastapi import FastAPI
@@ -48,7 +48,10 @@ def cross_request_sizes(engine: Engine) -> tuple[int, int]:
     return len(tables), sum(len(table) for table in tables)
 
 
-def create_app(engine: Engine, config: Optional[ServerConfig] = None) -> FastAPI:
+def create_app(engine: Engine, config: Optional[ServerConfig] = None,
+               metrics_exposition: Optional[Callable[[ServerMetrics], Awaitable[bytes]]] = None) -> FastAPI:
+    """`metrics_exposition`: how GET /metrics produces its text from the app's metrics (default:
+    the app's own registry); a host that gathers several apps' series passes its own."""
     config = config or ServerConfig()
     metrics = ServerMetrics(config.served_model_name)
     scheduler = Scheduler(engine, config, metrics)
@@ -78,7 +81,8 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None) -> FastAPI
     app = FastAPI(title="specdec", version=getattr(specdec, "__version__", "0"), lifespan=lifespan,
                   description="OpenAI-compatible server with lossless speculative decoding.")
     app.openapi = lambda: openapi_document(app, STREAM_CHUNKS)
-    app.state.specdec = ServerState(engine, config, scheduler, metrics, int(time.time()), drain)
+    app.state.specdec = ServerState(engine, config, scheduler, metrics, int(time.time()), drain,
+                                    metrics_exposition)
     install_error_handlers(app)
     app.include_router(router)
     if config.api_key:

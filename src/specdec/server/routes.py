@@ -5,7 +5,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 
 import anyio
 import anyio.to_thread
@@ -42,6 +42,9 @@ class ServerState:
     metrics: ServerMetrics
     created: int
     drain: Drain
+    # How /metrics text is produced from this app's metrics; None: the app's own registry. A Ray
+    # replica merges every replica's series here (deploy/metrics.py).
+    metrics_exposition: Optional[Callable[[ServerMetrics], Awaitable[bytes]]] = None
 
 
 def state_of(request: Request) -> ServerState:
@@ -65,7 +68,8 @@ async def health(request: Request) -> Response:
             responses={200: {"content": {"text/plain": {}}}})
 async def metrics(request: Request) -> Response:
     state = state_of(request)
-    return Response(state.metrics.render(), media_type=state.metrics.content_type)
+    body = await state.metrics_exposition(state.metrics) if state.metrics_exposition else state.metrics.render()
+    return Response(body, media_type=state.metrics.content_type)
 
 
 @router.get("/v1/models", response_model=ModelList)
