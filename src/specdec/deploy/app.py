@@ -28,6 +28,10 @@ class ScaleConfig:
     threads_per_replica: int = 1  # the engine's CPU threads, and the CPUs Ray reserves for each replica
     min_replicas: Optional[int] = None  # both set: autoscaling on ongoing requests per replica
     max_replicas: Optional[int] = None
+    # Seconds the load must stay above (below) the target before Ray adds (removes) a replica;
+    # None: Ray's defaults (30 s up, 600 s down).
+    upscale_delay: Optional[float] = None
+    downscale_delay: Optional[float] = None
 
     @property
     def autoscaling(self) -> bool:
@@ -40,6 +44,11 @@ class ScaleConfig:
             raise SpecdecError("autoscaling needs both --min-replicas and --max-replicas.")
         if self.autoscaling and not (0 <= self.min_replicas <= self.max_replicas and self.max_replicas >= 1):
             raise SpecdecError("autoscaling needs 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1.")
+        for flag, delay in (("--upscale-delay", self.upscale_delay), ("--downscale-delay", self.downscale_delay)):
+            if delay is not None and not self.autoscaling:
+                raise SpecdecError(f"{flag} is an autoscaling setting: add --min-replicas and --max-replicas.")
+            if delay is not None and delay < 0:
+                raise SpecdecError(f"{flag} must be >= 0.")
 
 
 def deployment_options(spec: ReplicaSpec, scale: ScaleConfig) -> dict:
@@ -62,14 +71,24 @@ def deployment_options(spec: ReplicaSpec, scale: ScaleConfig) -> dict:
             # One ongoing request per slot: more replicas once every slot is busy on average.
             "target_ongoing_requests": spec.slots,
         }
+        for field, delay in (("upscale_delay_s", scale.upscale_delay), ("downscale_delay_s", scale.downscale_delay)):
+            if delay is not None:
+                options["autoscaling_config"][field] = delay
     else:
         options["num_replicas"] = scale.replicas
     return options
 
 
-def build_application(spec: ReplicaSpec, scale: ScaleConfig):
+def build_application(spec: ReplicaSpec, scale: ScaleConfig, autoscaling: Optional[dict] = None):
+    """`autoscaling`: more of Ray's autoscaling_config fields (look_back_period_s, ...), as a Serve
+    config file's `deployments:` section would set them."""
     scale.validate()
-    return serve.deployment(SpecdecReplica, **deployment_options(spec, scale)).bind(spec)
+    options = deployment_options(spec, scale)
+    if autoscaling:
+        if not scale.autoscaling:
+            raise SpecdecError("autoscaling settings need --min-replicas and --max-replicas.")
+        options["autoscaling_config"].update(autoscaling)
+    return serve.deployment(SpecdecReplica, **options).bind(spec)
 
 
 def build(args: dict):

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 RAY_DEFAULTS = {"address": None, "replicas": 1, "threads_per_replica": 1, "min_replicas": None, "max_replicas": None,
-                "engine_factory": None}
+                "upscale_delay": None, "downscale_delay": None, "engine_factory": None}
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +63,12 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-replicas", type=int, default=None,
                        help="with --max-replicas: autoscale on ongoing requests per replica (target: --parallel)")
     group.add_argument("--max-replicas", type=int, default=None)
+    group.add_argument("--upscale-delay", type=float, default=None, metavar="SECONDS",
+                       help="with autoscaling: seconds the load must stay above the target before a replica is added "
+                            "(default: Ray's, 30)")
+    group.add_argument("--downscale-delay", type=float, default=None, metavar="SECONDS",
+                       help="with autoscaling: seconds the load must stay below the target before a replica is removed "
+                            "(default: Ray's, 600)")
     # "module:function(models, n_slots) -> Engine" each replica builds its engine with (tests: a fake).
     group.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
 
