@@ -20,6 +20,8 @@ pytestmark = pytest.mark.timeout(60)
 def test_ray_flags_without_ray_are_refused(capsys):
     assert main(["serve", "--replicas", "2", "--model", "x.gguf"]) == 2
     assert "--replicas is a Ray Serve setting: add --ray" in capsys.readouterr().err
+    assert main(["serve", "--upscale-delay", "5", "--model", "x.gguf"]) == 2
+    assert "--upscale-delay is a Ray Serve setting: add --ray" in capsys.readouterr().err
 
 
 ray_serve = pytest.importorskip("ray.serve")
@@ -51,6 +53,34 @@ def test_deployment_options_from_serve_flags():
             bad.validate()
     with pytest.raises(SpecdecError, match="--threads-per-replica"):
         replica_spec(parse_serve_flags(["--ray", "--model", "t.gguf", "--threads", "4"]))
+
+
+def test_autoscaling_delays_from_serve_flags():
+    from specdec.deploy.app import build_application, deployment_options
+    from specdec.deploy.cli import replica_spec, scale_config
+    from specdec.server.cli import parse_serve_flags
+    from specdec.types import SpecdecError
+
+    def options(*flags):
+        args = parse_serve_flags(["--ray", "--model", "t.gguf", "--parallel", "2", *flags])
+        return deployment_options(replica_spec(args), scale_config(args))
+
+    autoscaling = ["--min-replicas", "1", "--max-replicas", "3"]
+    delays = options(*autoscaling, "--upscale-delay", "2.5", "--downscale-delay", "0")["autoscaling_config"]
+    assert delays["upscale_delay_s"] == 2.5 and delays["downscale_delay_s"] == 0
+    only_up = options(*autoscaling, "--upscale-delay", "4")["autoscaling_config"]
+    assert only_up["upscale_delay_s"] == 4 and "downscale_delay_s" not in only_up  # Ray's default stays
+    assert not {"upscale_delay_s", "downscale_delay_s"} & set(options(*autoscaling)["autoscaling_config"])
+    # Ray accepts the config the flags build.
+    ray_serve.config.AutoscalingConfig(**delays)
+    with pytest.raises(SpecdecError, match="^--downscale-delay is an autoscaling setting: add --min-replicas"):
+        options("--replicas", "2", "--downscale-delay", "5")
+    with pytest.raises(SpecdecError, match="^--upscale-delay must be >= 0.$"):
+        options(*autoscaling, "--upscale-delay", "-1")
+    # More of Ray's fields, as a Serve config's `deployments:` section sets them: autoscaling only.
+    args = parse_serve_flags(["--ray", "--model", "t.gguf", "--replicas", "2"])
+    with pytest.raises(SpecdecError, match="need --min-replicas"):
+        build_application(replica_spec(args), scale_config(args), {"look_back_period_s": 2})
 
 
 # -- API-key affinity ------------------------------------------------------------------------------

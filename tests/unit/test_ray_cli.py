@@ -1,5 +1,6 @@
-"""`specdec serve --ray` itself, as a user runs it: the command starts its own local Ray, serves
-through Ray's proxy (fake engines), and on SIGTERM deletes the deployment, stops Ray and exits 0."""
+"""`specdec serve --ray` itself, as a user runs it: the command starts its own local Ray (not the
+cluster RAY_ADDRESS names), serves through Ray's proxy (fake engines), and on SIGTERM deletes the
+deployment, stops Ray and exits 0."""
 from __future__ import annotations
 
 import os
@@ -7,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from specdec.server.testing import free_port  # noqa: E402
+from test_ray_serve import wait_for_answer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,7 +27,9 @@ SRC = TESTS.parent / "src"
 def test_serve_ray_command_serves_then_stops_on_sigterm():
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           # Without --address the command starts its own Ray: it must not try to join this one.
+           "RAY_ADDRESS": "127.0.0.1:1"}
     command = [sys.executable, "-m", "specdec.cli", "serve", "--ray", "--port", str(port), "--replicas", "2",
                "--model", "fake.gguf", "--served-model-name", "m", "--method", "ngram", "--drain-grace", "5",
                "--engine-factory", "fakes.fake_serve:fake_engine", "--log-level", "warning"]
@@ -35,18 +38,8 @@ def test_serve_ray_command_serves_then_stops_on_sigterm():
         # Its own session: whatever Ray leaves behind can be ended with the group.
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    response = httpx.post(url + "/v1/completions", json=body, timeout=10)
-                    if response.status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if process.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    pytest.fail(f"specdec serve --ray did not serve:\n{log.read().decode(errors='replace')[-3000:]}")
-                time.sleep(0.5)
+            response = wait_for_answer(lambda: httpx.post(url + "/v1/completions", json=body, timeout=10), process,
+                                       log, "specdec serve --ray")
             assert response.json()["choices"][0]["finish_reason"] == "length"
             replicas = {httpx.post(url + "/v1/completions", json=body, timeout=10,
                                    headers={"Authorization": f"Bearer k{i}"}).headers["x-specdec-replica"]

@@ -13,7 +13,9 @@ import os
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Optional
 
 import httpx
 import pytest
@@ -57,6 +59,24 @@ def wait_for_running(n: int, timeout: float = 90.0) -> None:
         time.sleep(0.2)
 
 
+def wait_for_answer(request: Callable[[], httpx.Response], process, log, what: str,
+                    timeout: float = 120.0) -> httpx.Response:
+    """The first 200 that `request()` gets while `process` (whose output goes to the file `log`)
+    runs; the test fails with the log's end if none comes within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            response = request()
+            if response.status_code == 200:
+                return response
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            pytest.fail(f"{what} did not answer:\n{log.read().decode(errors='replace')[-3000:]}")
+        time.sleep(0.5)
+
+
 def free_ports(n: int) -> list[int]:
     ports = set()
     while len(ports) < n:
@@ -75,50 +95,78 @@ def node_args(num_cpus: int) -> dict:
                 dashboard_agent_listen_port=agent_listen)
 
 
-def deploy_on(cluster) -> int:
-    """Connects to `cluster`, starts Serve's one proxy on the head and the app with FLAGS' two
-    replicas; returns the proxy's port once both replicas run."""
+def ray_env() -> dict:
+    """The environment for the Ray processes a test starts: specdec and the fake engine importable,
+    the fake's costs, and the proxy's middleware (what `specdec serve --ray` sets for its local Ray)."""
+    return {**os.environ, **FAKE_COSTS, CALLBACK_ENV: CALLBACK,
+            "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+
+
+@contextmanager
+def ray_environment():
+    """ray_env() as this process's environment, which the Ray processes started here inherit."""
+    saved = dict(os.environ)
+    os.environ.update(ray_env())
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def deploy_on(cluster, flags: list[str] = FLAGS, running: int = 2, autoscaling: Optional[dict] = None) -> int:
+    """Connects to `cluster`, starts Serve's one proxy on the head and the app with `flags`
+    (`autoscaling`: more of Ray's autoscaling_config); returns the proxy's port once `running`
+    replicas run."""
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    args = parse_serve_flags(FLAGS)
-    serve.run(build_application(replica_spec(args), scale_config(args)), name=APP_NAME, route_prefix="/")
-    wait_for_running(2)
+    args = parse_serve_flags(flags)
+    serve.run(build_application(replica_spec(args), scale_config(args), autoscaling), name=APP_NAME,
+              route_prefix="/")
+    wait_for_running(running)
     return port
 
 
-START_FAILURES: list[str] = []  # pytest sets a failed module fixture up again for every test: once is enough
+def stop_ray(cluster) -> None:
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+    if cluster is not None:
+        cluster.shutdown()
+
+
+@contextmanager
+def local_deployment(start_failures: list[str], flags: list[str] = FLAGS, running: int = 2,
+                     autoscaling: Optional[dict] = None):
+    """A one-node local cluster of 2 CPUs (one replica per CPU) serving `flags`; yields the proxy's
+    URL and stops everything at the end. For a module fixture: pytest sets a failed module fixture
+    up again for every test, so a start that failed once (`start_failures`) is not tried again."""
+    from ray.cluster_utils import Cluster
+
+    if start_failures:
+        pytest.fail(f"Ray did not start: {start_failures[0]}")
+    cluster = None
+    with ray_environment():
+        try:
+            try:
+                cluster = Cluster(initialize_head=True, head_node_args=node_args(2))
+                port = deploy_on(cluster, flags, running, autoscaling)
+            except Exception as exc:
+                start_failures.append(repr(exc)[:500])
+                raise
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stop_ray(cluster)
+
+
+START_FAILURES: list[str] = []
 
 
 @pytest.fixture(scope="module")
 def endpoint():
-    from ray.cluster_utils import Cluster
-
-    if START_FAILURES:
-        pytest.fail(f"Ray did not start: {START_FAILURES[0]}")
-    saved = dict(os.environ)
-    # The Ray processes started here inherit this environment: the fake engine's module and
-    # costs, and the proxy's middleware (what `specdec serve --ray` sets for its local Ray).
-    os.environ.update(FAKE_COSTS)
-    os.environ[CALLBACK_ENV] = CALLBACK
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(SRC), str(TESTS), os.environ.get("PYTHONPATH", "")])
-    cluster = None
-    try:
-        try:
-            cluster = Cluster(initialize_head=True, head_node_args=node_args(2))  # one replica per CPU
-            port = deploy_on(cluster)
-        except Exception as exc:
-            START_FAILURES.append(repr(exc)[:500])
-            raise
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
+    with local_deployment(START_FAILURES) as url:
+        yield url
 
 
 def client(endpoint, key="key-0", **kw):

@@ -32,6 +32,10 @@ class ScaleConfig:
     threads_per_replica: int = 1  # the engine's CPU threads, and the CPUs Ray reserves for each replica
     min_replicas: Optional[int] = None  # both set: autoscaling on ongoing requests per replica
     max_replicas: Optional[int] = None
+    # Seconds the load must stay above (below) the target before Ray adds (removes) a replica;
+    # None: Ray's defaults (30 s up, 600 s down).
+    upscale_delay: Optional[float] = None
+    downscale_delay: Optional[float] = None
     prefix_routing_chars: int = DEFAULT_PREFIX_CHARS  # route on the prompt's first N characters; 0: off
 
     @property
@@ -45,6 +49,11 @@ class ScaleConfig:
             raise SpecdecError("autoscaling needs both --min-replicas and --max-replicas.")
         if self.autoscaling and not (0 <= self.min_replicas <= self.max_replicas and self.max_replicas >= 1):
             raise SpecdecError("autoscaling needs 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1.")
+        for flag, delay in (("--upscale-delay", self.upscale_delay), ("--downscale-delay", self.downscale_delay)):
+            if delay is not None and not self.autoscaling:
+                raise SpecdecError(f"{flag} is an autoscaling setting: add --min-replicas and --max-replicas.")
+            if delay is not None and delay < 0:
+                raise SpecdecError(f"{flag} must be >= 0.")
         problem = validate_prefix_chars(self.prefix_routing_chars)
         if problem:
             raise SpecdecError(problem)
@@ -71,6 +80,9 @@ def deployment_options(spec: ReplicaSpec, scale: ScaleConfig) -> dict:
             # One ongoing request per slot: more replicas once every slot is busy on average.
             "target_ongoing_requests": spec.slots,
         }
+        for field, delay in (("upscale_delay_s", scale.upscale_delay), ("downscale_delay_s", scale.downscale_delay)):
+            if delay is not None:
+                options["autoscaling_config"][field] = delay
     else:
         options["num_replicas"] = scale.replicas
     return options
@@ -82,11 +94,19 @@ def metrics_hub_options() -> dict:
     return dict(name=METRICS_HUB_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 
 
-def build_application(spec: ReplicaSpec, scale: ScaleConfig):
-    """The replicas, bound last: the application's ingress, the deployment Ray's proxy sends HTTP to."""
+def build_application(spec: ReplicaSpec, scale: ScaleConfig, autoscaling: Optional[dict] = None):
+    """The replicas, bound last: the application's ingress, the deployment Ray's proxy sends HTTP to.
+
+    `autoscaling`: more of Ray's autoscaling_config fields (look_back_period_s, ...), as a Serve
+    config file's `deployments:` section would set them."""
     scale.validate()
+    options = deployment_options(spec, scale)
+    if autoscaling:
+        if not scale.autoscaling:
+            raise SpecdecError("autoscaling settings need --min-replicas and --max-replicas.")
+        options["autoscaling_config"].update(autoscaling)
     hub = serve.deployment(MetricsHub, **metrics_hub_options()).bind()
-    return serve.deployment(SpecdecReplica, **deployment_options(spec, scale)).bind(spec, hub)
+    return serve.deployment(SpecdecReplica, **options).bind(spec, hub)
 
 
 def build(args: dict):

@@ -24,7 +24,7 @@ APP_NAME = "specdec"
 
 def scale_config(args: argparse.Namespace) -> ScaleConfig:
     scale = ScaleConfig(args.replicas, args.threads_per_replica, args.min_replicas, args.max_replicas,
-                        prefix_routing_chars=args.prefix_routing_chars)
+                        args.upscale_delay, args.downscale_delay, args.prefix_routing_chars)
     scale.validate()
     return scale
 
@@ -48,7 +48,9 @@ def connect(args: argparse.Namespace) -> None:
 
     if args.address is None:
         os.environ.setdefault(CALLBACK_ENV, CALLBACK)  # inherited by the Ray processes started here
-        ray.init(include_dashboard=False, log_to_driver=False)
+        # "local": never the cluster that RAY_ADDRESS or this machine's last `ray start` names, which
+        # ray.init() would otherwise join (and whose Serve this command would shut down at the end).
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=args.address, log_to_driver=False)
 
@@ -56,8 +58,14 @@ def connect(args: argparse.Namespace) -> None:
 def deploy(args: argparse.Namespace, spec: ReplicaSpec, scale: ScaleConfig) -> None:
     """The HTTP proxy on --host/--port and the deployment, running."""
     from ray import serve
+    from ray.serve.context import _get_global_client
 
     serve.start(http_options={"host": args.host, "port": args.port})
+    # On a cluster whose Serve is already running, Ray keeps that proxy's address and ignores ours.
+    proxy = _get_global_client().http_config
+    if (proxy.host, proxy.port) != (args.host, args.port):
+        raise SpecdecError(f"Ray Serve already runs on this cluster with its HTTP proxy on {proxy.host}:{proxy.port}: "
+                           f"pass --host {proxy.host} --port {proxy.port}, or stop it first (`serve shutdown`).")
     serve.run(build_application(spec, scale), name=APP_NAME, route_prefix="/")
     logger.info("serving %r on http://%s:%d through Ray Serve (%s)", spec.server.served_model_name, args.host,
                 args.port, f"{scale.min_replicas}..{scale.max_replicas} replicas" if scale.autoscaling
