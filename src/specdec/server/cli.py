@@ -65,8 +65,16 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-replicas", type=int, default=None,
                        help="with --max-replicas: autoscale on ongoing requests per replica (target: --parallel)")
     group.add_argument("--max-replicas", type=int, default=None)
-                "upscale_delay": None, "downscale_delay": None, "engine_factory": None,
-                "prefix_routing_chars": DEFAULT_PREFIX_CHARS}
+    group.add_argument("--upscale-delay", type=float, default=None, metavar="SECONDS",
+                       help="with autoscaling: seconds the load must stay above the target before a replica is added "
+                            "(default: Ray's, 30)")
+    group.add_argument("--downscale-delay", type=float, default=None, metavar="SECONDS",
+                       help="with autoscaling: seconds the load must stay below the target before a replica is removed "
+                            "(default: Ray's, 600)")
+    group.add_argument("--prefix-routing-chars", type=int, default=RAY_DEFAULTS["prefix_routing_chars"],
+                       help="a prompt starting with at least this many characters goes to the replica that holds "
+                            "that start in its prefix cache (a multiple of 256; 0: route on the API key only; "
+                            f"default {DEFAULT_PREFIX_CHARS})")
     # "module:function(models, n_slots) -> Engine" each replica builds its engine with (tests: a fake).
     group.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
 
