@@ -122,14 +122,14 @@ def test_the_api_key_is_read_from_the_proxied_request():
 
     from specdec.deploy.router import api_key_of, proxied_headers
 
-    def key(pending):
-        return api_key_of(proxied_headers(pending))
+    async def keys():  # a PendingRequest needs a running event loop
+        not_proxied = PendingRequest(args=["not a proxied request"], kwargs={},
+                                     metadata=RequestMetadata(request_id="r", internal_request_id="i"))
+        return [api_key_of(proxied_headers(pending)) for pending in (
+            proxied([(b"authorization", b"Bearer k-1")]), proxied([(b"Authorization", b"bearer  k-2 ")]),
+            proxied([(b"authorization", b"Basic abc")]), proxied([]), not_proxied)]
 
-    assert [key(proxied([(b"authorization", b"Bearer k-1")])), key(proxied([(b"Authorization", b"bearer  k-2 ")])),
-            key(proxied([(b"authorization", b"Basic abc")])), key(proxied([])),
-            key(PendingRequest(args=["not a proxied request"], kwargs={},
-                               metadata=RequestMetadata(request_id="r", internal_request_id="i")))] == \
-        ["k-1", "k-2", None, None, None]
+    assert asyncio.run(keys()) == ["k-1", "k-2", None, None, None]
 
 
 # -- prefix affinity -------------------------------------------------------------------------------
