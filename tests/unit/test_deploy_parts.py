@@ -392,3 +392,23 @@ def test_the_hub_forgets_a_replica_that_stopped_or_went_silent():
         return seen
 
     assert asyncio.run(scenario()) == [{"a", "b", "c"}, {"a", "b"}, {"a"}]
+
+
+def test_a_scrape_without_the_hub_shows_the_replica_alone_and_in_time():
+    from types import SimpleNamespace
+
+    from fakes.scrape import families_of, replicas_of
+
+    from specdec.deploy.metrics import HubLink
+
+    async def hangs(*args):
+        await asyncio.sleep(3600)
+
+    async def fails(*args):
+        raise ConnectionError("hub restarting")
+
+    async def scrape(call):
+        link = HubLink(SimpleNamespace(exposition=SimpleNamespace(remote=call)), "me", scrape_timeout=0.2)
+        return replicas_of(families_of((await link.exposition(replica_metrics(1, 1))).decode()))
+
+    assert asyncio.run(scrape(hangs)) == asyncio.run(scrape(fails)) == {"me"}

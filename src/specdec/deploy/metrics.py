@@ -25,6 +25,8 @@ logger = logging.getLogger("specdec.deploy")
 
 REPLICA_LABEL = "replica"
 PUSH_INTERVAL_SECONDS = 2.0
+# A scrape waits this long for the hub, then answers with the asking replica's own series alone.
+SCRAPE_TIMEOUT_SECONDS = 5.0
 # Missed pushes after which a replica is taken for dead: a scrape shows a killed replica's series
 # for at most this many intervals.
 EXPIRY_INTERVALS = 3
@@ -88,14 +90,23 @@ class HubLink:
     """A replica's side: pushes its app's metrics to the hub in the background, and produces the
     merged text for the app's /metrics (create_app's `metrics_exposition`)."""
 
-    def __init__(self, hub, replica: str, push_interval: float = PUSH_INTERVAL_SECONDS):
+    def __init__(self, hub, replica: str, push_interval: float = PUSH_INTERVAL_SECONDS,
+                 scrape_timeout: float = SCRAPE_TIMEOUT_SECONDS):
         self.hub = hub  # a DeploymentHandle to MetricsHub
         self.replica = replica
         self.push_interval = push_interval
+        self.scrape_timeout = scrape_timeout
         self.task: Optional[asyncio.Task] = None
 
     async def exposition(self, metrics: ServerMetrics) -> bytes:
-        return await self.hub.exposition.remote(self.replica, snapshot(metrics))
+        families = snapshot(metrics)
+        try:
+            return await asyncio.wait_for(self.hub.exposition.remote(self.replica, families), self.scrape_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the hub down or restarting: a partial scrape beats a failed one
+            logger.warning("metrics hub unavailable: /metrics shows this replica only", exc_info=True)
+            return merge_replicas({self.replica: families})
 
     def start(self, metrics: ServerMetrics) -> None:
         self.task = asyncio.get_running_loop().create_task(self.push_forever(metrics))
