@@ -217,6 +217,8 @@ def test_the_proxy_passes_the_prompt_prefix_and_the_body_unchanged():
     assert (PREFIX_HEADER, b"forged") not in inner_scope["headers"]
     inner_scope, received = run_prefix_middleware(dict(scope, headers=[forged]), [b"{not json"])
     assert received == b"{not json" and inner_scope["headers"] == []  # the replica answers the 400
+    too_deep = b"[" * 100_000 + b"]" * 100_000
+    assert run_prefix_middleware(dict(scope, headers=[]), [too_deep])[1] == too_deep
     get = {"type": "http", "method": "GET", "path": "/v1/models", "headers": [forged]}
     assert run_prefix_middleware(get, [b""])[0] is get  # other routes: untouched
 

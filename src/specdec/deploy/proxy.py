@@ -98,7 +98,7 @@ class PromptPrefixHeader:
         if len(body) <= self.MAX_BODY:
             try:
                 digests = prefix_digests(prompt_text(json.loads(body)))
-            except (ValueError, UnicodeDecodeError):  # not JSON: the replica answers 400 as usual
+            except (ValueError, RecursionError):  # not JSON (or too deep): the replica answers 400 as usual
                 digests = []
             if digests:
                 headers.append((PREFIX_HEADER, encode_header(digests)))
