@@ -139,6 +139,8 @@ def test_llama_server_is_run_on_the_same_prompts_and_reported(tmp_path):
     assert "| llama-server | llama-server:draft:k3 | 2 | 40.00 |" in markdown
     assert "| hf-assisted | — | — | not run: not requested (--peer hf-assisted) |" in markdown
     assert (row["identical_text_to_own_off"], row["compared_with_own_off"]) == (2, 2)  # the stand-in echoes the prompt
+    assert "| 2/2 |" in next(line for line in markdown.splitlines() if "| llama-server:draft:k3 |" in line)
+    assert next(line for line in markdown.splitlines() if "| llama-server:off |" in line).endswith("| — |")
 
 
 def test_a_server_that_does_not_start_gives_error_records(tmp_path):

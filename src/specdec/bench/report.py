@@ -312,12 +312,15 @@ def render_markdown(report: dict) -> str:
         for config, row in info["configs"].items():
             tps = row["decode_tps"]
             n = f"{row['succeeded']}" + (f" ({row['failed']} failed)" if row["failed"] else "")
+            # Its own no-draft run is the reference, compared with nothing: "—", not "0/—".
+            identical = (f"{row['identical_text_to_own_off']}/{row['compared_with_own_off']}"
+                         if row["compared_with_own_off"] else "—")
             lines.append(
                 f"| {peer} | {config} | {n} | {_fmt(tps['median'])} | {_range(tps, 'p25', 'p75')} "
                 f"| {_fmt(row['speedup_mean'], '.2f', '×')} | {_fmt(row['speedup_median'], '.2f', '×')} "
                 f"| {_fmt(row['speedup_vs_specdec_off'], '.2f', '×')} "
                 f"| {_fmt(row['acceptance_rate'])} "
-                f"| {row['identical_text_to_own_off']}/{row['compared_with_own_off'] if row['compared_with_own_off'] else '—'} |"
+                f"| {identical} |"
             )
     lines += ["", "## Greedy output equality vs off", ""]
     diffs = report["differences"]
