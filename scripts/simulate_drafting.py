@@ -13,16 +13,20 @@ this finds what is worth measuring there.
 
     .venv/bin/python scripts/simulate_drafting.py bench-out/off-ik-15 --cost cost.json \
         --drafters auto,ngram:k2,ngram:k4 [--first 5]
-    .venv/bin/python scripts/simulate_drafting.py bench-out/off-ik-15 --fit-match-priors --skip 5
+    .venv/bin/python scripts/simulate_drafting.py bench-out/off-ik-15 --fit-priors --skip 5
 
 `oracle` is the ceiling of prompt lookup on these costs: it sees the output, so each round it
 proposes exactly the part of the longest match's continuation (up to 16 tokens) that will be
 accepted, cut where a longer proposal no longer raises tokens per second, and nothing where no
-proposal pays. No real policy can beat it with prompt lookup alone.
+proposal pays. No real policy can beat it with prompt lookup alone. `oracle-suffix` is the same
+over every occurrence of the longest match (and the tenant's history's), the suffix sources' ceiling.
 
---fit-match-priors prints, from the prompts after the first --skip of each category (the
-benchmark's prompts stay out), P(prompt lookup's next token is accepted | the length of the
-match behind it): drafters/auto.py's MATCH_LENGTH_PRIORS.
+--fit-priors prints, from the prompts after the first --skip of each category (the benchmark's
+prompts stay out), P(a draft-free source's next token is accepted | its evidence: the match
+length's bucket and whether earlier occurrences agree), for the request's own text and for the
+earlier fit prompts as the tenant's history: drafters/auto.py's NGRAM_PRIORS and CACHE_PRIORS.
+--tenant-history gives each simulated prompt the earlier ones (prompt and `off` output) as its
+tenant's history, as `specdec bench --tenant-history` does.
 """
 from __future__ import annotations
 
@@ -38,7 +42,9 @@ import numpy as np
 
 from specdec.backends.base import Backend
 from specdec.bench.datasets import load_prompts
-from specdec.drafters.auto import MAX_MATCH, AutoDrafter, match_bucket
+from specdec.drafters.auto import AGREEMENTS, MATCH_BUCKETS, MAX_MATCH, AutoDrafter, evidence_key
+from specdec.drafters.history import TenantHistory as new_history
+from specdec.drafters.suffix import SuffixIndex
 from specdec.drafters.base import Drafter
 from specdec.drafters.ngram import NgramDrafter, NgramIndex
 from specdec.engine.cost_model import CostModel
@@ -76,10 +82,40 @@ class OracleLookup(Drafter):
         return Proposal(tuple(continuation[:best]))
 
 
-def simulate(drafter: Drafter, k: int, prompt: list[int], output: list[int], cost: CostModel) -> dict:
+class OracleSuffix(Drafter):
+    """The ceiling of the suffix sources: every occurrence of the longest match, in the request's
+    own text and (with --tenant-history) the tenant's history, is a candidate, and the one that
+    will hold longest is proposed, cut where it stops paying. No policy choosing among the same
+    candidates can beat it."""
+
+    def __init__(self, cost: CostModel, prompt_length: int, output: list[int]):
+        self.cost, self.prompt_length, self.output = cost, prompt_length, output
+        self.index = SuffixIndex(MAX_MATCH)
+        self.history = None
+
+    def begin(self, prompt, history=None) -> None:
+        self.history = history
+
+    def propose(self, context, k, sampling, rng) -> Proposal:
+        self.index.track(context)
+        candidates = self.index.candidates(context, k)
+        if self.history is not None:
+            candidates += self.history.candidates(context, k)
+        future = self.output[len(context) - self.prompt_length:]
+        best: tuple[int, ...] = ()
+        for candidate in candidates:
+            holds = next((i for i, (t, a) in enumerate(zip(candidate, future)) if t != a), min(len(candidate), len(future)))
+            if holds > len(best):
+                best = candidate[:holds]
+        cut = max(range(len(best) + 1), key=lambda n: (n + 1) / self.cost.target(1 + n))
+        return Proposal(best[:cut])
+
+
+def simulate(drafter: Drafter, k: int, prompt: list[int], output: list[int], cost: CostModel,
+             history=None) -> dict:
     """One generation's rounds: seconds, rounds, proposed and accepted tokens."""
     context = list(prompt)
-    drafter.begin(prompt, None)
+    drafter.begin(prompt, history)
     rng = np.random.default_rng(0)
     seconds = proposed = accepted = rounds = 0
     position = 0
@@ -111,29 +147,38 @@ def main() -> int:
     parser.add_argument("--cost", help="a cost model JSON (CostModel.to_json) or t1_ms:v2,v3,...")
     parser.add_argument("--drafters", default="auto,ngram:k2,ngram:k4,oracle")
     parser.add_argument("--first", type=int, default=None, help="only the first N prompts of each category")
-    parser.add_argument("--fit-match-priors", action="store_true")
-    parser.add_argument("--skip", type=int, default=5, help="--fit-match-priors leaves out the first N per category")
+    parser.add_argument("--fit-priors", action="store_true")
+    parser.add_argument("--tenant-history", action="store_true",
+                        help="drafters see the earlier simulated prompts and outputs as their tenant's history")
+    parser.add_argument("--skip", type=int, default=5, help="--fit-priors leaves out the first N per category")
     parser.add_argument("--tokenizer-backend", default="ik_llama.cpp")
     args = parser.parse_args()
     generations = load_generations(Path(args.records), args.tokenizer_backend)
-    if args.fit_match_priors:
-        print(json.dumps(fit_match_priors(generations, args.skip)))
+    if args.fit_priors:
+        for source, table in fit_priors(generations, args.skip).items():
+            print(f"{source}: {{" + ", ".join(f"{key}: {prior}" for key, (_, _, prior) in table.items()) + "}")
+            print("  tries, accepted:", {key: (tries, hits) for key, (tries, hits, _) in table.items()})
         return 0
     if not args.cost:
         raise SystemExit("--cost is needed to simulate drafters")
     cost = load_cost(args.cost)
     factories = drafter_factories(cost)
     by_category: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    history = new_history() if args.tenant_history else None
     for category, rank, prompt_ids, record in generations:
         if args.first is not None and rank >= args.first:
             continue
         for name in args.drafters.split(","):
             if name == "oracle":
                 drafter, k = OracleLookup(cost, len(prompt_ids), record["output_token_ids"]), 16
+            elif name == "oracle-suffix":
+                drafter, k = OracleSuffix(cost, len(prompt_ids), record["output_token_ids"]), 16
             else:
                 drafter, k = factories[name]()
-            result = simulate(drafter, k, prompt_ids, record["output_token_ids"], cost)
+            result = simulate(drafter, k, prompt_ids, record["output_token_ids"], cost, history)
             by_category[record["category"]][name].append(result)
+        if history is not None:
+            history.add(list(prompt_ids) + list(record["output_token_ids"]))
     print_table(by_category, args.drafters.split(","))
     return 0
 
@@ -157,24 +202,48 @@ def load_generations(folder: Path, tokenizer_backend: str) -> list[tuple[str, in
     return generations
 
 
-def fit_match_priors(generations, skip: int) -> dict:
-    """{bucket bound: [tries, accepted, rate]}: at every output position, the longest earlier match
-    of the context's suffix (up to MAX_MATCH tokens) and whether its next token is the output's."""
-    counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+def fit_priors(generations, skip: int) -> dict:
+    """{source: {"bucket,agreement": [tries, accepted, rate]}}: at every output position, the
+    continuation each source offers (the request's own context, "ngram"; the earlier fit prompts'
+    prompts and outputs, "cache") and whether its next token is the output's, by its evidence."""
+    counts: dict[str, dict] = {"ngram": defaultdict(lambda: [0, 0]), "cache": defaultdict(lambda: [0, 0])}
+    history = new_history()
     for _, rank, prompt_ids, record in generations:
         if rank < skip:
             continue
         output = record["output_token_ids"]
-        index = NgramIndex(MAX_MATCH)
+        index = SuffixIndex(MAX_MATCH)
         context = list(prompt_ids)
         for position in range(len(output) - 1):
-            length, continuation = index.match(context, 1)
-            if continuation:
-                bucket = counts[match_bucket(length)]
-                bucket[0] += 1
-                bucket[1] += continuation[0] == output[position]
+            index.track(context)
+            for source, continuation in (("ngram", index.continuation(context, 1)),
+                                         ("cache", history.continuation(context, 1))):
+                if continuation.tokens:
+                    cell = counts[source][evidence_key(continuation.evidence[0])]
+                    cell[0] += 1
+                    cell[1] += continuation.tokens[0] == output[position]
             context.append(output[position])
-    return {bound: [tries, accepted, round(accepted / tries, 3)] for bound, (tries, accepted) in sorted(counts.items())}
+        history.add(list(prompt_ids) + list(output))
+    return {source: smoothed_priors(cells) for source, cells in counts.items()}
+
+
+def smoothed_priors(cells: dict, weight: float = 10.0) -> dict:
+    """{(bucket, agreement): [tries, accepted, prior]}, every cell filled: a cell's rate is pulled
+    toward its bucket's pooled rate by `weight` observations (sparse cells, e.g. 8 tries, would
+    otherwise say 0 or 1); a bucket never seen takes the pooled rate of the nearest shorter one."""
+    pooled, table = {}, {}
+    for bucket in MATCH_BUCKETS:
+        tries = sum(cells[(bucket, a)][0] for a in AGREEMENTS if (bucket, a) in cells)
+        hits = sum(cells[(bucket, a)][1] for a in AGREEMENTS if (bucket, a) in cells)
+        if tries:
+            pooled[bucket] = hits / tries
+        elif pooled:
+            pooled[bucket] = pooled[max(pooled)]
+    for bucket, rate in pooled.items():
+        for agreement in AGREEMENTS:
+            tries, hits = cells.get((bucket, agreement), (0, 0))
+            table[(bucket, agreement)] = [tries, hits, round((hits + weight * rate) / (tries + weight), 2)]
+    return table
 
 
 def print_table(by_category, names) -> None:

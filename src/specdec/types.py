@@ -70,7 +70,7 @@ class GenerationRequest:
     spec: SpecConfig = SpecConfig()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    tenant: Optional[str] = None  # whose cross-request n-gram cache drafts for it (None: anonymous)
+    tenant: Optional[str] = None  # whose cross-request history drafts for it (None: anonymous)
 
 
 @dataclass(frozen=True)

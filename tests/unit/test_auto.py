@@ -6,9 +6,10 @@ import pytest
 from fakes.clock import FakeClock
 
 from specdec.backends.fake import FakeBackend
-from specdec.drafters.auto import (MATCH_LENGTH_PRIORS, AcceptanceEstimate, AutoDrafter, MatchLengthEstimate, Offer,
-                                   Option, expected_tokens, match_bucket)
+from specdec.drafters.auto import (NGRAM_PRIORS, AcceptanceEstimate, AutoDrafter, EvidenceEstimate, Offer, Option,
+                                   expected_tokens, match_bucket)
 from specdec.drafters.model import ModelDrafter
+from specdec.drafters.suffix import Evidence
 from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
 from specdec.engine.sequence import CachedSequence
@@ -110,43 +111,52 @@ def test_exploits_an_uneven_cost_curve():
 
 def test_learns_ngram_acceptance_from_shadow_proposals_without_proposing():
     drafter = AutoDrafter(linear_costs(per_token=0.05), None)
-    text = [1, 2, 3, 4] * 12  # perfectly repetitive: every n-gram continuation is right
+    text = [1, 2, 3, 4] * 12  # perfectly repetitive: every continuation is right
     for end in range(8, len(text)):
         proposal = drafter.propose(text[:end], 4, GREEDY, None)
         assert proposal.draft_tokens == ()  # linear verification: plain decoding always wins
         drafter.observe(proposal, 0, None)
-    # the matches grew long: those buckets learned, above their priors
-    assert drafter.estimates["ngram"].rate_after(8) > 0.95 > MATCH_LENGTH_PRIORS[9]
-    assert drafter.estimates["ngram"].rate_after(12) > 0.95 > MATCH_LENGTH_PRIORS[13]
-    assert drafter.estimates["ngram"].rate_after(1) == MATCH_LENGTH_PRIORS[1]  # never seen: the prior
+    # single 7-9-token matches (the first rounds) and long unanimous ones learned, above their priors
+    estimate = drafter.estimates["ngram"]
+    assert estimate.rate_of(Evidence(8, 1, 1)) > 0.9 > NGRAM_PRIORS[(9, "single")]
+    assert estimate.rate_of(Evidence(20, 3, 3)) > 0.995 > NGRAM_PRIORS[(10**9, "unanimous")]
+    assert estimate.rate_of(Evidence(1, 1, 3)) == NGRAM_PRIORS[(1, "split")]  # never seen: the prior
 
 
-def test_match_length_estimate_on_hand_worked_cases():
+def path(match_length, length=4, support=1, occurrences=1):
+    """The evidence of a continuation of `length` tokens after a `match_length`-token match."""
+    return tuple(Evidence(match_length + i, support, occurrences) for i in range(length))
+
+
+def test_evidence_estimate_on_hand_worked_cases():
     assert [match_bucket(m) for m in (1, 2, 5, 6, 7, 13, 14, 500)] == [1, 2, 6, 6, 9, 13, 10**9, 10**9]
-    estimate = MatchLengthEstimate(prior_weight=4.0)
-    assert estimate.rates(3, match_length=2) == [MATCH_LENGTH_PRIORS[2], MATCH_LENGTH_PRIORS[3], MATCH_LENGTH_PRIORS[4]]
+    estimate = EvidenceEstimate(NGRAM_PRIORS, prior_weight=4.0)
+    evidence = path(2, 3)
+    assert estimate.rates(3, evidence) == [NGRAM_PRIORS[(2, "single")], NGRAM_PRIORS[(3, "single")],
+                                          NGRAM_PRIORS[(4, "single")]]
     # after a 2-token match: position 1 accepted, position 2 rejected, position 3 never reached
-    estimate.observe(proposed=3, accepted=1, rejected=True, match_length=2)
-    assert estimate.rate_after(2) == pytest.approx((1 + 0.51 * 4) / 5)
-    assert estimate.rate_after(3) == pytest.approx((0 + 0.57 * 4) / 5)
-    assert estimate.rate_after(4) == MATCH_LENGTH_PRIORS[4]
+    estimate.observe(proposed=3, accepted=1, rejected=True, evidence=evidence)
+    assert estimate.rate_of(evidence[0]) == pytest.approx((1 + NGRAM_PRIORS[(2, "single")] * 4) / 5)
+    assert estimate.rate_of(evidence[1]) == pytest.approx((0 + NGRAM_PRIORS[(3, "single")] * 4) / 5)
+    assert estimate.rate_of(evidence[2]) == NGRAM_PRIORS[(4, "single")]
+    assert EvidenceEstimate({}).rate_of(evidence[0]) == 0.0  # no prior for that evidence: not trusted yet
 
 
-def test_prompt_lookup_is_proposed_where_its_match_is_long_enough_to_pay():
-    # ik_llama.cpp's costs on a 2-core Zen 4 (t(1) 44.5 ms, v(2) 1.42, v(3) 1.63, v(4) 1.90):
-    # one token pays from acceptance 0.42, so a 1-token match (0.21) is not proposed; after a
-    # 2-token match one token gives 1.51 / 1.42 = 1.06x plain, two (the second judged as after a
-    # 3-token match) (1 + 0.51 + 0.51 * 0.57) / 1.63 = 1.10x, three 2.02 / 1.90 = 1.06x: two;
-    # a 14-token match (0.98) is proposed in full.
+def test_prompt_lookup_is_proposed_where_its_evidence_says_it_pays():
+    # ik_llama.cpp's costs on a 2-core Zen 4 (t(1) 44.5 ms, v(2) 1.42, v(3) 1.63, v(4) 1.90, v(5) 2.34):
+    # one token pays from acceptance 0.42. After a 1-token match whose earlier occurrences disagree
+    # (0.14) nothing is proposed. After a 1-token match all three occurrences agree on (0.56):
+    # one token 1.56 / 1.42 = 1.10x plain, two (0.72 next) 1.96 / 1.63 = 1.20x, three (0.75)
+    # 2.27 / 1.90 = 1.19x: two. After a single 2-token match: one 1.54 / 1.42 = 1.08x, two (0.62)
+    # 1.87 / 1.63 = 1.15x, three (0.77) 2.13 / 1.90 = 1.12x: two. A 14-token match (0.98): all four.
     t1 = 0.0445
     cost = CostModel({1: t1, 2: 1.42 * t1, 3: 1.63 * t1, 4: 1.90 * t1, 5: 2.34 * t1}, None)
     drafter = AutoDrafter(cost, None)
     tokens = tuple(range(4))
-    assert drafter.plan({"ngram": Offer(tokens, 1)}, k=4).source == "off"
-    option = drafter.plan({"ngram": Offer(tokens, 2)}, k=4)
-    assert (option.source, option.length) == ("ngram", 2)
-    option = drafter.plan({"ngram": Offer(tokens, 14)}, k=4)
-    assert (option.source, option.length) == ("ngram", 4)
+    assert drafter.plan({"ngram": Offer(tokens, path(1, support=1, occurrences=3))}, k=4).source == "off"
+    for evidence, length in ((path(1, support=3, occurrences=3), 2), (path(2), 2), (path(14), 4)):
+        option = drafter.plan({"ngram": Offer(tokens, evidence)}, k=4)
+        assert (option.source, option.length) == ("ngram", length)
 
 
 def test_prices_but_never_probes_a_draft_model_that_its_acceptance_says_loses():
@@ -206,6 +216,10 @@ def test_auto_is_lossless_and_its_decisions_are_visible():
         assert auto.token_ids == plain.token_ids
         assert sum(auto.stats["choices"].values()) == auto.stats["draft_rounds"] + auto.stats["choices"].get("none", 0)
         assert any(choice.startswith(("draft", "ngram", "hybrid")) for choice in auto.stats["choices"])
+        sources = auto.stats["sources"]  # each source's share of the rounds, drafted and accepted tokens
+        assert set(sources) == {choice.split(":")[0] for choice in auto.stats["choices"] if choice != "none"}
+        for key, total in (("rounds", "draft_rounds"), ("drafted", "drafted_tokens"), ("accepted", "accepted_tokens")):
+            assert sum(source[key] for source in sources.values()) == auto.stats[total]
     assert engine.cost_model.target(1) == pytest.approx(0.0505)
 
 

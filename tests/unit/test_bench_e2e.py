@@ -285,3 +285,34 @@ def test_compare_methods_limits_what_runs_on_the_compared_backend(tmp_path):
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["peers"][other]["configs"][f"{other}:off"]["speedup_vs_specdec_off"] > 0
     assert json.loads((tmp_path / "out" / "meta.json").read_text())["compare_methods"] == "off"
+
+
+class ForwardingResets(Wrapped):
+    def reset_cross_request_state(self):
+        super().reset_cross_request_state()
+        self.engine.reset_cross_request_state()
+
+
+@pytest.mark.parametrize("tenant_history", [False, True])
+def test_tenant_history_holds_the_runs_earlier_prompts_and_their_off_outputs(tmp_path, tenant_history):
+    held = []  # (prompt tokens, method, tokens in the anonymous tenant's history) at each generation
+
+    def note(request, n):
+        history = engine.engine.cross_request.for_tenant(None)
+        held.append((len(request.prompt_token_ids), request.spec.method, len(history)))
+
+    engine = ForwardingResets(fake_engine(), on_generate=note)
+    flags = ["--tenant-history"] if tenant_history else []
+    args = bench_args(tmp_path, "--methods", "off,auto", "--warmup", "0", "--repeats", "2", *flags)
+    assert run_bench(args, engine_factory=lambda a: engine) == 0
+    records = read_records(tmp_path)
+    assert all(r["matches_off"] for r in records if r["config"] == "auto")
+    offs = {(r["prompt_id"], r["repeat"]): r for r in records if r["config"] == "off"}
+    expected = []
+    for r in records:
+        earlier = [p["id"] for p in PROMPTS][:[p["id"] for p in PROMPTS].index(r["prompt_id"])]
+        tokens = sum(offs[(e, r["repeat"])]["prompt_tokens"] + len(offs[(e, r["repeat"])]["output_token_ids"])
+                     for e in earlier)
+        expected.append((r["prompt_tokens"], r["method"], tokens if tenant_history else 0))
+    assert sorted(held) == sorted(expected) and len({h[0] for h in held}) == len(PROMPTS)
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["tenant_history"] is tenant_history

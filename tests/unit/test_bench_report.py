@@ -107,4 +107,10 @@ def test_adaptive_decisions_are_summed_and_shown_as_shares(tmp_path):
     report = build_report(records, {"temperature": 0}, {}, tmp_path)
     assert report["summary"]["overall"]["auto"]["choices"] == {"none": 8, "ngram:k3": 2}
     markdown = (tmp_path / "report.md").read_text()
-    assert "| auto | overall | 10 | none 80.0%, ngram:k3 20.0% |" in markdown
+    assert "| auto | overall | 10 | none 80.0%, ngram:k3 20.0% | — |" in markdown  # records without sources
+    records[2]["stats"]["sources"] = {"ngram": {"rounds": 2, "drafted": 6, "accepted": 3}}
+    report = build_report(records, {"temperature": 0}, {}, tmp_path)
+    assert report["summary"]["overall"]["auto"]["sources"] == {
+        "ngram": {"rounds": 2, "drafted": 6, "accepted": 3, "mean_acceptance_length": 2.5, "acceptance_rate": 0.5}}
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| auto | overall | 10 | none 80.0%, ngram:k3 20.0% | ngram 2, 2.50, 0.50 |" in markdown

@@ -1,43 +1,53 @@
-"""The cross-request n-gram cache: bounded tables, one per tenant, drafting text generated before."""
+"""The cross-request history: a bounded suffix index per tenant, drafting text seen before."""
 from fakes.clock import FakeClock
 from specdec.backends.fake import FakeBackend
-from specdec.drafters.history import CrossRequestCache, NgramHistory, tenant_of_api_key
+from specdec.drafters.history import CrossRequestCache, TenantHistory, tenant_of_api_key
 from specdec.engine.engine import Engine
 from specdec.types import GenerationRequest, SpecConfig
 
 
-def test_lookup_returns_what_followed_the_last_ngram_most_recently():
-    history = NgramHistory(order=2, span=3)
+def test_continues_the_longest_match_from_earlier_requests():
+    history = TenantHistory(min_match=2)
     history.add([5, 6, 7, 8, 9])
-    assert history.lookup([1, 5, 6], 2) == (7, 8)
-    assert history.lookup([1, 5, 6], 5) == (7, 8, 9)
+    assert history.continuation([1, 5, 6], 2).tokens == (7, 8)
+    assert history.continuation([1, 5, 6], 5).tokens == (7, 8, 9)
     history.add([5, 6, 1])
-    assert history.lookup([5, 6], 3) == (1,)  # the latest continuation wins
-    assert history.lookup([9, 9], 3) == ()
-    assert history.lookup([6], 3) == ()  # shorter than the order
+    assert history.continuation([5, 6], 3).tokens == (1,)  # 7 and 1 once each: the latest wins the tie
+    history.add([5, 6, 1])
+    history.add([4, 5, 6, 7])
+    assert history.continuation([0, 5, 6], 1).tokens == (7,)  # 1 twice, 7 twice: the latest wins the tie
+    history.add([5, 6, 1])
+    assert history.continuation([0, 5, 6], 1).tokens == (1,)  # 1 three times against 7 twice
+    assert history.continuation([4, 5, 6], 1).tokens == (7,)  # the 3-token match is longer
+    assert history.continuation([9, 9], 3).tokens == ()
+    assert history.continuation([6], 3).tokens == ()  # shorter than min_match
 
 
-def test_tables_are_bounded():
-    history = NgramHistory(order=2, span=2, max_entries=10)
-    history.add(list(range(100)))
-    assert len(history) == 10
-    assert history.lookup([96, 97], 2) == (98, 99)
-    assert history.lookup([0, 1], 2) == ()  # the oldest were dropped
+def test_histories_are_bounded():
+    history = TenantHistory(min_match=2, max_tokens=10)
+    history.add(list(range(8)))
+    history.add(list(range(100, 108)))
+    assert len(history) == 8  # the older request was dropped
+    assert history.continuation([0, 1], 2).tokens == ()
+    assert history.continuation([100, 101], 2).tokens == (102, 103)
+    history.add(list(range(200, 230)))  # longer than the bound: its last 10 tokens are kept
+    assert len(history) == 10 and history.continuation([220, 221], 1).tokens == (222,)
     cache = CrossRequestCache(max_tenants=2)
     for tenant in ("a", "b", "c"):
-        cache.for_tenant(tenant).add([1, 2, 3, 4])
+        cache.for_tenant(tenant).add([1, 2, 3, 4, 5, 6])
+    assert cache.sizes() == (2, 12)
     assert len(cache.for_tenant("a")) == 0  # "a" was dropped when "c" arrived
 
 
 def test_tenants_never_see_each_others_text():
-    cache = CrossRequestCache(order=2)
-    cache.for_tenant(tenant_of_api_key("key-one")).add([1, 2, 3, 4])
-    assert cache.for_tenant(tenant_of_api_key("key-one")).lookup([1, 2], 2) == (3, 4)
-    assert cache.for_tenant(tenant_of_api_key("key-two")).lookup([1, 2], 2) == ()
-    assert cache.for_tenant(None).lookup([1, 2], 2) == ()
+    cache = CrossRequestCache()
+    cache.for_tenant(tenant_of_api_key("key-one")).add([1, 2, 3, 4, 5, 6])
+    assert cache.for_tenant(tenant_of_api_key("key-one")).continuation([1, 2, 3, 4], 2).tokens == (5, 6)
+    assert cache.for_tenant(tenant_of_api_key("key-two")).continuation([1, 2, 3, 4], 2).tokens == ()
+    assert cache.for_tenant(None).continuation([1, 2, 3, 4], 2).tokens == ()
     assert "key-one" not in tenant_of_api_key("key-one")  # the key itself is not kept
     cache.reset()
-    assert cache.for_tenant(tenant_of_api_key("key-one")).lookup([1, 2], 2) == ()
+    assert cache.for_tenant(tenant_of_api_key("key-one")).continuation([1, 2, 3, 4], 2).tokens == ()
 
 
 def test_a_repeated_request_drafts_from_the_tenants_cache_and_stays_exact():

@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the engine's default K, labelled by the method name)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed when temperature > 0 (plus the repeat index)")
+    parser.add_argument("--tenant-history", action="store_true",
+                        help="give `auto` a tenant history: the run's earlier prompts and their `off` outputs "
+                             "(default: every generation starts with none)")
     parser.add_argument("--repeats", type=int, default=1, help="measured generations per (prompt, configuration)")
     parser.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up rounds over all configurations (default 1)")
     parser.add_argument("--out", default="bench-out", help="output folder: records.jsonl, report.md, report.json, charts")
@@ -109,7 +112,7 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
         models = models.without_draft()  # load the draft model only when a draft configuration runs
     prompts = load_prompts(args.dataset, _split(args.categories) or None, args.per_category)
     peers = parse_peers(args.peer)
-    settings = RunSettings(args.max_tokens, args.temperature, args.repeats, args.warmup, args.seed)
+    settings = RunSettings(args.max_tokens, args.temperature, args.repeats, args.warmup, args.seed, args.tenant_history)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -246,6 +249,7 @@ def _run_meta(args: argparse.Namespace, models, compare, prompts, configs) -> di
         "seed": args.seed,
         "repeats": args.repeats,
         "warmup": args.warmup,
+        "tenant_history": args.tenant_history,
         "configs": [c.label for c in configs],
         "model": args.model,
         "draft_model": args.draft_model,

@@ -126,9 +126,13 @@ def summarize_config(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
     verify_s = sum(_stat(r, "verify_seconds") or 0.0 for r in ok)
     compared = [r for r in ok if r.get("matches_off") is not None]
     choices: dict[str, int] = defaultdict(int)
+    sources: dict[str, dict[str, int]] = defaultdict(lambda: {"rounds": 0, "drafted": 0, "accepted": 0})
     for record in ok:
         for choice, count in (_stat(record, "choices") or {}).items():
             choices[choice] += count
+        for source, totals in (_stat(record, "sources") or {}).items():  # absent in records before 2026-12-01
+            for key in ("rounds", "drafted", "accepted"):
+                sources[source][key] += totals.get(key, 0)
     ttft = [v for v in (_stat(r, "ttft_seconds") for r in ok) if v is not None]
     return {
         "records": len(records),
@@ -151,6 +155,9 @@ def summarize_config(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
         "compared_with_off": len(compared),
         "identical_to_off": sum(1 for r in compared if r["matches_off"]),
         "choices": dict(sorted(choices.items(), key=lambda item: -item[1])),
+        "sources": {source: {**totals, "mean_acceptance_length": 1 + totals["accepted"] / totals["rounds"],
+                             "acceptance_rate": totals["accepted"] / totals["drafted"]}
+                    for source, totals in sorted(sources.items()) if totals["rounds"]},
     }
 
 
@@ -275,13 +282,17 @@ def _decisions(report: dict) -> list[str]:
     adaptive = [c for c in report["configs"] if c.split(":")[0] == "auto"]
     if not adaptive:
         return ["No adaptive configuration in this run."]
-    lines = ["| config | category | rounds | choices (share of rounds) |", "|---|---|---|---|"]
+    lines = ["| config | category | rounds | choices (share of rounds) "
+             "| per source: rounds, mean acc. length, acc. rate |", "|---|---|---|---|---|"]
     for config in adaptive:
         for category in [*report["categories"], OVERALL]:
-            choices = report["summary"][category].get(config, {}).get("choices") or {}
+            summary = report["summary"][category].get(config, {})
+            choices = summary.get("choices") or {}
             total = sum(choices.values())
             shares = ", ".join(f"{choice} {count / total:.1%}" for choice, count in choices.items()) if total else "—"
-            lines.append(f"| {config} | {category} | {total} | {shares} |")
+            per_source = "; ".join(f"{source} {s['rounds']}, {s['mean_acceptance_length']:.2f}, {s['acceptance_rate']:.2f}"
+                                   for source, s in (summary.get("sources") or {}).items()) or "—"
+            lines.append(f"| {config} | {category} | {total} | {shares} | {per_source} |")
     return lines
 
 

@@ -79,6 +79,7 @@ class RunSettings:
     repeats: int = 1
     warmup: int = 1
     seed: int = 0
+    tenant_history: bool = False  # each generation's tenant history: the run's earlier prompts
 
     @property
     def greedy(self) -> bool:
@@ -199,6 +200,8 @@ class Runner:
         self.records = records
         self.clock = clock
         self.progress = progress
+        self._prompts: list[BenchPrompt] = []
+        self._encoded: dict[tuple[str, str], object] = {}  # (source, prompt id) -> token ids or the error
 
     def run(self, prompts: Sequence[BenchPrompt]) -> dict:
         todo = pending(prompts, self.configs, self.settings.repeats, self.records)
@@ -213,7 +216,8 @@ class Runner:
         self.warm_up(prompts)
         from tqdm import tqdm
 
-        encoded: dict[tuple[str, str], object] = {}
+        self._prompts = list(prompts)
+        encoded = self._encoded
         waiting_for_off: list[tuple[dict, BenchPrompt, object]] = []  # measured before off of their (prompt, repeat)
         with tqdm(total=len(todo), unit="gen", desc="bench", file=sys.stderr, disable=not self.progress,
                   dynamic_ncols=True) as bar:
@@ -297,6 +301,8 @@ class Runner:
         try:
             request = self.request(prompt_ids, config, repeat, self.settings.max_tokens)
             reset_between_generations(engine)
+            if self.settings.tenant_history:
+                self.give_history(engine, prompt, config, repeat)
             started = self.clock()
             result = engine.generate(request)
             record["wall_seconds"] = self.clock() - started
@@ -306,6 +312,21 @@ class Runner:
         record.update(success=True, output_token_ids=list(result.token_ids), text=result.text,
                       finish_reason=result.finish_reason, stats=dict(result.stats))
         return record
+
+    def give_history(self, engine, prompt: BenchPrompt, config: BenchConfig, repeat: int) -> None:
+        """Fill the (anonymous) tenant's cross-request history with the prompts measured before this
+        one in the run and what `off` generated for them in this repeat, oldest first: what a server
+        would have seen from one tenant sending these prompts in order. Never this prompt's own text
+        from another repeat or configuration, so no generation drafts from its own earlier answer."""
+        history = engine.cross_request.for_tenant(None)
+        for earlier in self._prompts[:self._prompts.index(prompt)]:
+            key = (config.source, earlier.id)
+            if key not in self._encoded:  # measured before a resume
+                self._encoded[key] = self._encode(earlier, engine)
+            prompt_ids = self._encoded[key]
+            off = self.records.find((earlier.id, config.baseline, repeat))
+            if isinstance(prompt_ids, list) and off is not None and off.get("success"):
+                history.add(prompt_ids + list(off["output_token_ids"]))
 
     def _compare_with_off(self, record: dict, config: BenchConfig, prompt: BenchPrompt, prompt_ids, repeat: int) -> None:
         off = self.records.find((prompt.id, config.baseline, repeat))

@@ -1,7 +1,7 @@
 """Affinity routing on Ray Serve's request-router extension point.
 
 Speculation and prompt processing on a replica feed on what that replica has seen: the
-cross-request n-gram cache is kept per API key (drafters/history.py), and the prefix cache per
+cross-request history is kept per API key (drafters/history.py), and the prefix cache per
 slot (a long prompt served there is reused by the next one that starts the same way). So:
 
 - a request whose prompt starts with at least `--prefix-routing-chars` characters (default

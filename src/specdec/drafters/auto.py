@@ -1,21 +1,22 @@
 """Method `auto`: before each round, propose whatever is expected to give the most tokens per
-second under this machine's measured costs — an n-gram match in the request, a match in the
-tenant's cross-request cache, the draft model, a hybrid (an n-gram match the draft model
-continues), or nothing.
+second under this machine's measured costs — a continuation from the request's own text
+("ngram": prompt and output so far), one from the tenant's earlier requests ("cache"), the draft
+model, a hybrid (a draft-free continuation the draft model extends), or nothing.
 
 Acceptance is estimated online per request, per source and per position: a_i is the chance that
-position i is accepted once positions 1..i-1 were. For prompt lookup it follows the match behind
-the proposal: a continuation found after the context's last m tokens matched earlier text is
-accepted far more often when m is long (measured on Spec-Bench: 0.21 after a 1-token match,
-0.51 after 2, 0.74 after 4, 0.98 after 14+), and its i-th token is judged as if the match were
-m + i - 1 tokens long, since accepting the tokens before it lengthens the match. So the policy
-knows per proposal when, and how far, copying pays. A proposal of j tokens is then expected to yield
+position i is accepted once positions 1..i-1 were. For the draft-free sources it follows each
+token's own evidence (drafters/suffix.py): the length of the match behind it and whether the
+earlier occurrences of that match agree on it (measured on Spec-Bench, the request's own text:
+0.14 after a 1-token match whose occurrences disagree, 0.56 after one on which they all agree,
+0.54 after a single 2-token match, 0.98 after 14+; NGRAM_PRIORS). Accepting the tokens before
+position i lengthens its match, which its evidence already counts. So the policy knows per
+proposal when, and how far, copying pays. A proposal of j tokens is then expected to yield
 E(j) = 1 + a_1 + a_1 a_2 + ... + a_1...a_j tokens (the target's own token included) for a cost of
 t(1 + j) target seconds (plus j draft-model steps for the draft model). Plain decoding yields one
 token for t(1). The policy takes the best option, and only speculates when it beats plain decoding
 by a margin.
 
-The n-gram sources are learned for free: every round, what they would have proposed is compared
+The draft-free sources are learned for free: every round, what they would have proposed is compared
 with the tokens the target then commits (a "shadow" proposal), so the policy knows how good they
 are without paying to verify them. The draft model is priced from its measured acceptance (its
 prior) and what it achieved in this request; it is not probed where that price says it loses
@@ -29,8 +30,8 @@ and earlier outcomes, never on the token being drawn, so the acceptance rule sta
 
 Example: t(1) = 50 ms, t(2) = 96 ms, t(4) = 180 ms, n-gram acceptance 0.9 at every position:
 one token E = 1.9 / 96 ms = 19.8 tok/s, three tokens E = 3.44 / 180 ms = 19.1 tok/s, plain
-20 tok/s -> plain decoding. With t(2) = 63 ms and a 2-token match (0.51): 1.51 / 63 ms =
-24.0 tok/s -> propose one token.
+20 tok/s -> plain decoding. With t(2) = 63 ms and a single 2-token match (0.54): 1.54 / 63 ms =
+24.4 tok/s -> propose one token.
 """
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from specdec.drafters.base import Drafter
-from specdec.drafters.history import NgramHistory
+from specdec.drafters.history import TenantHistory
 from specdec.drafters.model import ModelDrafter
-from specdec.drafters.ngram import NgramIndex
+from specdec.drafters.suffix import Continuation, Evidence, SuffixIndex
 from specdec.engine.cost_model import CostModel
 from specdec.types import Proposal, SamplingParams
 
@@ -65,9 +66,9 @@ class AcceptanceEstimate:
         """a_position (1-based)."""
         return self.rates(position)[-1] if position > 0 else self.prior
 
-    def rates(self, length: int, match_length: int = 0) -> list[float]:
+    def rates(self, length: int, evidence: Sequence[Evidence] = ()) -> list[float]:
         """[a_1, ..., a_length], in one pass: each position's estimate is the prior of the next.
-        (`match_length` is MatchLengthEstimate's; positions alone say it all here.)"""
+        (`evidence` is EvidenceEstimate's; positions alone say it all here.)"""
         rates, rate = [], self.prior
         for i in range(length):
             if i < len(self.attempts):
@@ -75,7 +76,7 @@ class AcceptanceEstimate:
             rates.append(rate)
         return rates
 
-    def observe(self, proposed: int, accepted: int, rejected: bool = True, match_length: int = 0) -> None:
+    def observe(self, proposed: int, accepted: int, rejected: bool = True, evidence: Sequence[Evidence] = ()) -> None:
         """`accepted` leading positions were accepted; if `rejected`, position accepted + 1 was not
         (False when the outcome past the accepted ones is unknown)."""
         reached = min(proposed, accepted + (1 if rejected else 0))
@@ -87,44 +88,76 @@ class AcceptanceEstimate:
             self.accepts[i] += 1 if i < accepted else 0
 
 
-# Prompt lookup's acceptance by the length of the match behind it: P(the continuation's next token
-# is accepted | the context's last m tokens matched earlier text), fit on Spec-Bench prompts 6-15
-# of each category (greedy outputs of the default pair on ik_llama.cpp, 128 tokens; prompts 1-5,
-# the benchmark's, left out): `scripts/simulate_drafting.py --fit-match-priors`.
-# Keys: the longest m of each bucket (m = 1, 2, 3, 4, 5-6, 7-9, 10-13, 14+).
-MATCH_LENGTH_PRIORS = {1: 0.21, 2: 0.51, 3: 0.57, 4: 0.74, 6: 0.72, 9: 0.83, 13: 0.91, 10**9: 0.98}
+# P(a draft-free source's next token is accepted | its evidence), by the match length's bucket
+# (m = 1, 2, 3, 4, 5-6, 7-9, 10-13, 14+, keyed by each bucket's longest m) and whether the earlier
+# occurrences agree on the token (drafters/suffix.py), fit on Spec-Bench prompts 6-15 of each
+# category (greedy outputs of the default pair on ik_llama.cpp, 128 tokens; prompts 1-5, the
+# benchmark's, left out): `scripts/simulate_drafting.py --fit-priors`. "ngram" is the request's
+# own context, "cache" the tenant's earlier requests (the earlier fit prompts).
+MATCH_BUCKETS = (1, 2, 3, 4, 6, 9, 13, 10**9)
+AGREEMENTS = ("single", "unanimous", "majority", "split")
+
+
+def by_evidence(rows: dict[int, tuple[float, ...]]) -> dict[tuple[int, str], float]:
+    """{bucket: (rate if single, unanimous, majority, split)} -> {(bucket, agreement): rate}."""
+    return {(bucket, agreement): rate for bucket, rates in rows.items() for agreement, rate in zip(AGREEMENTS, rates)}
+
+
+# bucket: single, unanimous, majority, split
+NGRAM_PRIORS = by_evidence({
+    1: (0.24, 0.56, 0.31, 0.14),
+    2: (0.54, 0.72, 0.5, 0.2),
+    3: (0.62, 0.75, 0.54, 0.25),
+    4: (0.77, 0.8, 0.57, 0.55),
+    6: (0.76, 0.76, 0.72, 0.39),
+    9: (0.84, 0.81, 0.83, 0.72),
+    13: (0.91, 0.91, 0.91, 0.91),
+    10**9: (0.98, 0.99, 0.98, 0.9),
+})
+CACHE_PRIORS = by_evidence({
+    4: (0.31, 0.43, 0.29, 0.2),
+    6: (0.43, 0.63, 0.35, 0.24),
+    9: (0.62, 0.79, 0.58, 0.33),
+    13: (0.75, 0.77, 0.62, 0.49),
+    10**9: (0.62, 0.62, 0.62, 0.62),
+})
 
 
 def match_bucket(match_length: int) -> int:
-    """The MATCH_LENGTH_PRIORS key whose bucket holds this match length."""
-    return next(bound for bound in MATCH_LENGTH_PRIORS if match_length <= bound)
+    """The MATCH_BUCKETS bound whose bucket holds this match length."""
+    return next(bound for bound in MATCH_BUCKETS if max(1, match_length) <= bound)
+
+
+def evidence_key(evidence: Evidence) -> tuple[int, str]:
+    return match_bucket(evidence.match_length), evidence.agreement
 
 
 @dataclass
-class MatchLengthEstimate:
-    """Per-request acceptance of prompt lookup by match length: each bucket starts from its prior,
-    worth `prior_weight` observations. A proposal after an m-token match has
-    a_i = rate(m + i - 1): accepting the tokens before position i lengthens the match.
-    Example: m = 2 -> a_1 = rate(2) = 0.51 by its prior, a_2 = rate(3) = 0.57."""
+class EvidenceEstimate:
+    """Per-request acceptance of a draft-free source by each token's evidence: each cell starts
+    from its prior, worth `prior_weight` observations, and learns from this request's outcomes.
+    Example: a token after a 2-token match on which all earlier occurrences agree is priced at
+    priors[(2, "unanimous")] until this request has tried some."""
 
-    priors: dict = field(default_factory=lambda: dict(MATCH_LENGTH_PRIORS))
+    priors: dict
     prior_weight: float = 4.0
     attempts: dict = field(default_factory=dict)
     accepts: dict = field(default_factory=dict)
 
-    def rate_after(self, match_length: int) -> float:
-        bucket = match_bucket(max(1, match_length))
-        return (self.accepts.get(bucket, 0.0) + self.priors[bucket] * self.prior_weight) / \
-            (self.attempts.get(bucket, 0.0) + self.prior_weight)
+    def rate_of(self, evidence: Evidence) -> float:
+        key = evidence_key(evidence)
+        prior = self.priors.get(key, 0.0)  # evidence never fit (no prior): trust only what it shows here
+        return (self.accepts.get(key, 0.0) + prior * self.prior_weight) / \
+            (self.attempts.get(key, 0.0) + self.prior_weight)
 
-    def rates(self, length: int, match_length: int = 0) -> list[float]:
-        return [self.rate_after(match_length + i) for i in range(length)]
+    def rates(self, length: int, evidence: Sequence[Evidence] = ()) -> list[float]:
+        return [self.rate_of(e) for e in evidence[:length]]
 
-    def observe(self, proposed: int, accepted: int, rejected: bool = True, match_length: int = 0) -> None:
+    def observe(self, proposed: int, accepted: int, rejected: bool = True, evidence: Sequence[Evidence] = ()) -> None:
         for i in range(min(proposed, accepted + (1 if rejected else 0))):
-            bucket = match_bucket(max(1, match_length + i))
-            self.attempts[bucket] = self.attempts.get(bucket, 0.0) + 1
-            self.accepts[bucket] = self.accepts.get(bucket, 0.0) + (1 if i < accepted else 0)
+            key = evidence_key(evidence[i])
+            self.attempts[key] = self.attempts.get(key, 0.0) + 1
+            self.accepts[key] = self.accepts.get(key, 0.0) + (1 if i < accepted else 0)
 
 
 def expected_tokens(rates: Sequence[float]) -> float:
@@ -145,12 +178,7 @@ class Option:
     prefix_length: int = 0
 
 
-@dataclass(frozen=True)
-class Offer:
-    """What an n-gram source offers this round, and the match behind it (0: not known)."""
-
-    tokens: tuple[int, ...]
-    match_length: int = 0
+Offer = Continuation  # what a draft-free source offers this round, with each token's evidence
 
 
 @dataclass
@@ -171,20 +199,19 @@ class AutoDrafter(Drafter):
         model_drafter: Optional[ModelDrafter] = None,
         max_ngram: int = MAX_MATCH,
         margin: float = 0.02,
-        cache_prior: float = 0.5,
         draft_prior: float = 0.78,
     ):
         self.cost = cost_model
         self.model_drafter = model_drafter
         self.margin = margin
-        self.priors = {"cache": cache_prior, "draft": draft_prior, "hybrid": draft_prior}
-        self.ngram_index = NgramIndex(max_ngram)
+        self.priors = {"draft": draft_prior, "hybrid": draft_prior}
+        self.context_index = SuffixIndex(max_ngram)
         self.begin(())
 
-    def begin(self, prompt, history: Optional[NgramHistory] = None) -> None:
+    def begin(self, prompt, history: Optional[TenantHistory] = None) -> None:
         self.history = history
-        self.ngram_index.reset()
-        self.estimates = {"ngram": MatchLengthEstimate(),
+        self.context_index.reset()
+        self.estimates = {"ngram": EvidenceEstimate(NGRAM_PRIORS), "cache": EvidenceEstimate(CACHE_PRIORS),
                           **{source: AcceptanceEstimate(prior) for source, prior in self.priors.items()}}
         self.shadows: list[_Shadow] = []
         self.confidence_sum = 1.0  # calibration of the draft's confidence: accepted / confidence
@@ -203,7 +230,7 @@ class AutoDrafter(Drafter):
         what each n-gram source offers this round. Called every round: kept cheap."""
         target = [self.cost.target(n) for n in range(1, k + 2)]  # target[n - 1] = t(n)
         options = [Option("off", 0, 1.0 / target[0])]
-        source_rates = {source: self.estimates[source].rates(len(offer.tokens[:k]), offer.match_length)
+        source_rates = {source: self.estimates[source].rates(len(offer.tokens[:k]), offer.evidence)
                         for source, offer in available.items()}
         for source, rates in source_rates.items():
             reach = tokens = 1.0
@@ -253,10 +280,10 @@ class AutoDrafter(Drafter):
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
         self._context = context
         self._learn_from_shadows(context)
-        match_length, continuation = self.ngram_index.match(context, k)
-        offers = {"ngram": Offer(continuation, match_length)}
+        self.context_index.track(context)
+        offers = {"ngram": self.context_index.continuation(context, k)}
         if self.history is not None:
-            offers["cache"] = Offer(self.history.lookup(context, k))
+            offers["cache"] = self.history.continuation(context, k)
         offers = {source: offer for source, offer in offers.items() if offer.tokens}
         option = self.plan(offers, k)
         self._last = option
@@ -284,13 +311,13 @@ class AutoDrafter(Drafter):
             return
         rejected = num_accepted < proposed
         if proposal.source in NGRAM_SOURCES:
-            match_length = self._offers[proposal.source].match_length
-            self.estimates[proposal.source].observe(proposed, num_accepted, rejected, match_length)
+            evidence = self._offers[proposal.source].evidence
+            self.estimates[proposal.source].observe(proposed, num_accepted, rejected, evidence)
             return
         prefix = option.prefix_length if proposal.source == "hybrid" else 0
         if prefix:
             self.estimates[option.prefix_source].observe(prefix, min(num_accepted, prefix), num_accepted < prefix,
-                                                         self._offers[option.prefix_source].match_length)
+                                                         self._offers[option.prefix_source].evidence)
         if num_accepted >= prefix:
             model_accepted = num_accepted - prefix
             self.estimates["hybrid" if prefix else "draft"].observe(proposed - prefix, model_accepted, rejected)
@@ -310,7 +337,7 @@ class AutoDrafter(Drafter):
                 matched += 1
             if matched == len(tokens) or matched < len(committed):
                 self.estimates[shadow.source].observe(len(tokens), matched, matched < len(tokens),
-                                                      shadow.offer.match_length)
+                                                      shadow.offer.evidence)
             else:
                 pending.append(shadow)  # every committed token matched, more are needed to judge it
         self.shadows = pending
@@ -333,7 +360,8 @@ class AutoDrafter(Drafter):
         rate — the threshold follows this machine's cost curve and the plan."""
         reach = 1.0  # chance that every token before the next one is accepted
         if option.prefix_length:
-            for rate in self.estimates[option.prefix_source].rates(option.prefix_length):
+            for rate in self.estimates[option.prefix_source].rates(option.prefix_length,
+                                                                   self._offers[option.prefix_source].evidence):
                 reach *= rate
         calibration = self.confidence_accepted / self.confidence_sum
         draft_step = self.cost.draft_step_seconds or 0.0

@@ -10,16 +10,16 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from specdec.drafters.history import NgramHistory
+from specdec.drafters.history import TenantHistory
 from specdec.types import Proposal, SamplingParams
 
 
 class Drafter(ABC):
     name: str = "drafter"
 
-    def begin(self, prompt: Sequence[int], history: Optional[NgramHistory] = None) -> None:
+    def begin(self, prompt: Sequence[int], history: Optional[TenantHistory] = None) -> None:
         """A new generation starts from this prompt; `history` is its tenant's cross-request
-        n-gram cache (None when it has none)."""
+        history (None when it has none)."""
 
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:

@@ -1,12 +1,15 @@
-"""A cross-request n-gram cache: text the server generated before, as an extra draft source.
+"""A cross-request history: text a tenant sent and got before, as an extra draft source.
 
 Support answers and code repeat boilerplate across requests ("Thank you for contacting ...",
-`if __name__ == "__main__":`); the prompt-lookup drafter cannot see it because it lives in
-earlier requests. Each tenant (API key) has its own bounded table, so one tenant's text never
-drafts for another; the benchmark resets every table before each measured run.
+`if __name__ == "__main__":`), and a tenant's prompts share templates; the request's own prompt
+lookup cannot see them because they live in earlier requests. Each tenant (API key) has its own
+bounded suffix index over its recent requests (prompt and output each), so one tenant's text never
+drafts for another; the benchmark resets every history before each measured run unless asked to
+give it the earlier prompts of the run (`specdec bench --tenant-history`).
 
-A table maps the last `order` tokens to the `span` tokens that followed them most recently.
-Example (order 2): after add([5, 6, 7, 8]), lookup([1, 5, 6], k=2) -> (7, 8).
+Matches shorter than `min_match` tokens are not looked for: between different requests they
+rarely hold (Spec-Bench, prompts 6-15 per category: see drafters/auto.py's CACHE_PRIORS).
+Example (min_match 2): after add([5, 6, 7, 8]), continuation([1, 5, 6], k=2).tokens -> (7, 8).
 """
 from __future__ import annotations
 
@@ -15,57 +18,53 @@ import threading
 from collections import OrderedDict
 from typing import Optional, Sequence
 
+from specdec.drafters.suffix import Continuation, SuffixIndex
+
 ANONYMOUS_TENANT = ""
 
 
-class NgramHistory:
-    """One tenant's table, bounded to `max_entries` n-grams (least recently written dropped first)."""
+class TenantHistory:
+    """One tenant's recent requests, at most `max_tokens` tokens (the oldest requests dropped first)."""
 
-    def __init__(self, order: int = 3, span: int = 8, max_entries: int = 20_000):
-        self.order = order
-        self.span = span
-        self.max_entries = max_entries
-        self._table: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
+    def __init__(self, min_match: int = 4, max_match: int = 16, max_tokens: int = 16_384):
+        self.max_tokens = max_tokens
+        self._index = SuffixIndex(max_match=max_match, min_match=min_match, key_max=min_match, max_tokens=max_tokens)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._table)
+        """Tokens held."""
+        return len(self._index)
 
     def add(self, tokens: Sequence[int]) -> None:
-        """Remember every n-gram of `tokens` and what followed it (at least one token)."""
-        tokens = tuple(int(t) for t in tokens)
+        """Remember one request's tokens (its prompt and output) as a sequence of their own."""
         with self._lock:
-            for start in range(len(tokens) - self.order):
-                key = tokens[start:start + self.order]
-                self._table[key] = tokens[start + self.order:start + self.order + self.span]
-                self._table.move_to_end(key)
-            while len(self._table) > self.max_entries:
-                self._table.popitem(last=False)
+            self._index.add_sequence(list(tokens)[-self.max_tokens:])
 
-    def lookup(self, context: Sequence[int], k: int) -> tuple[int, ...]:
-        """Up to k tokens that followed the context's last `order` tokens before, or ()."""
-        if k <= 0 or len(context) < self.order:
-            return ()
-        key = tuple(int(t) for t in context[-self.order:])
+    def continuation(self, context: Sequence[int], k: int) -> Continuation:
+        """Up to k tokens that followed the context's longest matched suffix in earlier requests."""
         with self._lock:
-            return self._table.get(key, ())[:k]
+            return self._index.continuation(context, k)
+
+    def candidates(self, context: Sequence[int], k: int) -> list[tuple[int, ...]]:
+        """SuffixIndex.candidates over this history."""
+        with self._lock:
+            return self._index.candidates(context, k)
 
 
 class CrossRequestCache:
-    """The tables of all tenants, at most `max_tenants` of them (least recently used dropped).
-    At the defaults, 32 tenants x 20,000 n-grams: about 180 MB at most (soak, docs/server.md)."""
+    """The histories of all tenants, at most `max_tenants` of them (least recently used dropped)."""
 
-    def __init__(self, order: int = 3, span: int = 8, max_entries: int = 20_000, max_tenants: int = 32):
-        self.order, self.span, self.max_entries, self.max_tenants = order, span, max_entries, max_tenants
-        self._tenants: OrderedDict[str, NgramHistory] = OrderedDict()
+    def __init__(self, max_tokens: int = 16_384, max_tenants: int = 32):
+        self.max_tokens, self.max_tenants = max_tokens, max_tenants
+        self._tenants: OrderedDict[str, TenantHistory] = OrderedDict()
         self._lock = threading.Lock()
 
-    def for_tenant(self, tenant: Optional[str]) -> NgramHistory:
+    def for_tenant(self, tenant: Optional[str]) -> TenantHistory:
         key = tenant or ANONYMOUS_TENANT
         with self._lock:
             history = self._tenants.get(key)
             if history is None:
-                history = self._tenants[key] = NgramHistory(self.order, self.span, self.max_entries)
+                history = self._tenants[key] = TenantHistory(max_tokens=self.max_tokens)
                 while len(self._tenants) > self.max_tenants:
                     self._tenants.popitem(last=False)
             self._tenants.move_to_end(key)
@@ -74,6 +73,12 @@ class CrossRequestCache:
     def reset(self) -> None:
         with self._lock:
             self._tenants.clear()
+
+    def sizes(self) -> tuple[int, int]:
+        """(tenants, tokens held, all tenants)."""
+        with self._lock:
+            histories = list(self._tenants.values())
+        return len(histories), sum(len(history) for history in histories)
 
 
 def tenant_of_api_key(api_key: Optional[str]) -> str:

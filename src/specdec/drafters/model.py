@@ -6,7 +6,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from specdec.drafters.base import Drafter
-from specdec.drafters.history import NgramHistory
+from specdec.drafters.history import TenantHistory
 from specdec.engine.sequence import CachedSequence
 from specdec.sampling.probs import one_hot, sample, softmax, token_distribution
 from specdec.types import Proposal, SamplingParams
@@ -35,7 +35,7 @@ class ModelDrafter(Drafter):
     def __init__(self, sequence: CachedSequence):
         self.sequence = sequence
 
-    def begin(self, prompt: Sequence[int], history: Optional[NgramHistory] = None) -> None:
+    def begin(self, prompt: Sequence[int], history: Optional[TenantHistory] = None) -> None:
         self.sequence.prefill(list(prompt[:-1]))
 
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator,

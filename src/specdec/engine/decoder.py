@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from specdec.drafters.base import Drafter
-from specdec.drafters.history import NgramHistory
+from specdec.drafters.history import TenantHistory
 from specdec.engine.sequence import CachedSequence
 from specdec.engine.stats import GenerationStats
 from specdec.engine.stopping import TextAssembler
@@ -34,14 +34,14 @@ class Generation:
         *,
         prefix_cache: bool = True,
         clock: Callable[[], float] = time.perf_counter,
-        history: Optional[NgramHistory] = None,
+        history: Optional[TenantHistory] = None,
     ):
         self.request = request
         self.target = target
         self.drafter = drafter
         self.prefix_cache = prefix_cache
         self.clock = clock
-        self.history = history  # the tenant's cross-request n-gram cache: drafts from it, learns our text
+        self.history = history  # the tenant's cross-request history: drafts from it, learns our text
         # Sampling noise: keyed by (seed, position) for the target's own tokens, so off, n-gram
         # drafting and auto's n-gram rounds sample the same text for one seed; a sequence for the
         # draft model's proposals and their acceptance (Leviathan's rule with its q).
@@ -167,9 +167,8 @@ class Generation:
             self.assembler.finish()
             self.stats.total_seconds = self.clock() - self._started_at
             if self.history is not None and self.token_ids:
-                # The prompt's tail leads in, so the first generated tokens can be drafted next time.
-                lead_in = list(self.request.prompt_token_ids[-self.history.order:])
-                self.history.add(lead_in + self.token_ids)
+                # The prompt too: a tenant's prompts share templates that later answers copy.
+                self.history.add(list(self.request.prompt_token_ids) + self.token_ids)
 
     def _event(self, new_tokens: list[int]) -> StreamEvent:
         delta = self.assembler.take_delta(final=self.finished)

@@ -58,7 +58,7 @@ class Engine:
             raise SpecdecError(f"{n_slots} slots need backends that hold {n_slots} sequences.")
         self.slots = [self._make_slot(seq_id) for seq_id in range(n_slots)]
         self.cost_model: Optional[CostModel] = None  # measured on first use of `auto`
-        self.cross_request = CrossRequestCache(order=config.ngram_max)
+        self.cross_request = CrossRequestCache()
 
     def _make_slot(self, seq_id: int) -> Slot:
         drafters: dict[str, Drafter] = {
@@ -138,7 +138,7 @@ class Engine:
                 slot.draft.clear()
 
     def reset_cross_request_state(self) -> None:
-        """Forget every tenant's cross-request n-gram cache (the benchmark's runs start equal)."""
+        """Forget every tenant's cross-request history (the benchmark's runs start equal)."""
         self.cross_request.reset()
 
     def close(self) -> None:

@@ -2,7 +2,8 @@
 records) reports these keys.
 
 `choices` counts what was proposed in each round ("ngram:k2", "draft:k4", or "none" for a plain
-step), so the adaptive method's decisions are visible.
+step), so the adaptive method's decisions are visible; `sources` sums each source's rounds,
+drafted and accepted tokens, so its acceptance can be told apart from the others'.
 
 Conventions: acceptance_rate = accepted / drafted; mean_acceptance_length = 1 + accepted /
 draft_rounds (it counts the target's own token of each round); tokens_per_second = generated
@@ -31,6 +32,7 @@ class GenerationStats:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     choices: dict[str, int] = field(default_factory=dict)  # per round: "source:kN", or "none"
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)  # source -> rounds, drafted, accepted
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0  # every target forward after the prompt (plain steps included)
     prompt_seconds: float = 0.0
@@ -45,6 +47,10 @@ class GenerationStats:
         self.draft_rounds += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
+        totals = self.sources.setdefault(source or self.method, {"rounds": 0, "drafted": 0, "accepted": 0})
+        totals["rounds"] += 1
+        totals["drafted"] += drafted
+        totals["accepted"] += accepted
         if len(self.accepted_per_position) < drafted:
             self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
         for position in range(accepted):
@@ -65,6 +71,7 @@ class GenerationStats:
             "mean_acceptance_length": (1 + self.accepted_tokens / self.draft_rounds) if self.draft_rounds else None,
             "accepted_per_position": list(self.accepted_per_position),
             "choices": dict(self.choices),
+            "sources": {source: dict(totals) for source, totals in self.sources.items()},
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "prompt_seconds": self.prompt_seconds,

@@ -42,10 +42,8 @@ class APIKeyMiddleware:
 
 
 def cross_request_sizes(engine: Engine) -> tuple[int, int]:
-    """(tenants, n-grams) held by the engine's cross-request n-gram cache."""
-    # CrossRequestCache has no public size yet; read its table (a copy, taken under the GIL).
-    tables = list(getattr(engine.cross_request, "_tenants", {}).values())
-    return len(tables), sum(len(table) for table in tables)
+    """(tenants, tokens) held by the engine's cross-request histories."""
+    return engine.cross_request.sizes()
 
 
 def create_app(engine: Engine, config: Optional[ServerConfig] = None,

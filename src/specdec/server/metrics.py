@@ -59,11 +59,10 @@ class ServerMetrics:
         self.backend_stalls = Counter("specdec:backend_stalls", "Times a backend call outlasted --stall-timeout.",
                                       ["model_name"], registry=registry)
         # What the server keeps between requests, to see that memory levels off (docs/server.md, soak).
-        self.ngram_cache_tenants = Gauge("specdec:ngram_cache_tenants", "Tenants in the cross-request n-gram cache.",
-                                         ["model_name"], registry=registry)
-        self.ngram_cache_entries = Gauge("specdec:ngram_cache_entries",
-                                         "N-grams in the cross-request cache, all tenants.", ["model_name"],
-                                         registry=registry)
+        self.history_tenants = Gauge("specdec:history_tenants", "Tenants with a cross-request history.",
+                                     ["model_name"], registry=registry)
+        self.history_tokens = Gauge("specdec:history_tokens", "Tokens in the cross-request histories, all tenants.",
+                                    ["model_name"], registry=registry)
         self.prefix_cache_tokens = Gauge("specdec:prefix_cache_tokens", "Tokens held in the slots' target caches.",
                                          ["model_name"], registry=registry)
 
@@ -71,10 +70,10 @@ class ServerMetrics:
         self.running.labels(self.model_name).set_function(running)
         self.waiting.labels(self.model_name).set_function(waiting)
 
-    def track_caches(self, tenants: Callable[[], float], entries: Callable[[], float],
+    def track_caches(self, tenants: Callable[[], float], history_tokens: Callable[[], float],
                      prefix_tokens: Callable[[], float]) -> None:
-        self.ngram_cache_tenants.labels(self.model_name).set_function(tenants)
-        self.ngram_cache_entries.labels(self.model_name).set_function(entries)
+        self.history_tenants.labels(self.model_name).set_function(tenants)
+        self.history_tokens.labels(self.model_name).set_function(history_tokens)
         self.prefix_cache_tokens.labels(self.model_name).set_function(prefix_tokens)
 
     # -- recording (thread-safe: called from the scheduler thread) ------------------------------

@@ -170,7 +170,7 @@ def finish_reason_of(event: StreamEvent) -> str:
 
 
 def tenant_of(request: Request) -> str:
-    """Requests with the same bearer token share a cross-request n-gram cache; others never do."""
+    """Requests with the same bearer token share a cross-request history; others never do."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return tenant_of_api_key(token.strip() if scheme.lower() == "bearer" else None)
 
