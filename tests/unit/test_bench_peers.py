@@ -27,7 +27,7 @@ FAKE_SERVER = textwrap.dedent('''
     log = open(LOG, "a")
     log.write(json.dumps({"argv": argv}) + "\\n"); log.flush()
     state = {"health": 0}
-    drafting = opt("-md") is not None
+    drafting = opt("--spec-type") is not None
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -92,11 +92,13 @@ def test_peer_arguments_are_checked(tmp_path):
 
 
 def test_server_command_has_the_speculative_flags():
-    cmd = ServerOptions("bin", "t.gguf", "d.gguf", 4, 2048, 2).command(8080)
+    cmd = ServerOptions("bin", "t.gguf", "d.gguf", 4, 2048, 2, "draft-simple").command(8080)
     assert cmd[:3] == ["bin", "-m", "t.gguf"]
     assert " ".join(cmd).endswith("-md d.gguf --spec-type draft-simple --spec-draft-n-max 4")
     assert "--host" in cmd and cmd[cmd.index("--host") + 1] == "127.0.0.1"
-    assert "-md" not in ServerOptions("bin", "t.gguf").command(8080)
+    lookup = ServerOptions("bin", "t.gguf", None, 3, spec_type="ngram-simple").command(8080)
+    assert " ".join(lookup).endswith("--spec-type ngram-simple --spec-draft-n-max 3") and "-md" not in lookup
+    assert "--spec-type" not in ServerOptions("bin", "t.gguf").command(8080)
 
 
 def test_llama_server_is_run_on_the_same_prompts_and_reported(tmp_path):
@@ -104,21 +106,23 @@ def test_llama_server_is_run_on_the_same_prompts_and_reported(tmp_path):
     settings = RunSettings(max_tokens=16, temperature=0.0, repeats=1, warmup=1)
     with RecordFile(tmp_path / "records.jsonl") as records:
         counts = run_llama_server(str(binary), PROMPTS, [3], settings, records, "t.gguf", "d.gguf",
-                                  tmp_path / "logs", progress=False, startup_timeout=30)
-        assert counts == {"measured": 4, "failed": 0}
+                                  tmp_path / "logs", progress=False, startup_timeout=30, ngram_ks=[2])
+        assert counts == {"measured": 6, "failed": 0}
         peer_records = list(records.records)
     assert [(r["config"], r["prompt_id"]) for r in peer_records] == [
-        ("llama-server:off", "1"), ("llama-server:off", "2"), ("llama-server:draft:k3", "1"), ("llama-server:draft:k3", "2")]
+        ("llama-server:off", "1"), ("llama-server:off", "2"), ("llama-server:draft:k3", "1"), ("llama-server:draft:k3", "2"),
+        ("llama-server:ngram:k2", "1"), ("llama-server:ngram:k2", "2")]
     drafted = peer_records[2]
     assert drafted["stats"]["tokens_per_second"] == 40.0
     assert drafted["stats"]["acceptance_rate"] == pytest.approx(0.75)
     assert drafted["text"] == "hi why?"
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     starts = [line["argv"] for line in lines if "argv" in line]
-    assert len(starts) == 2 and "-md" not in starts[0]
+    assert len(starts) == 3 and "--spec-type" not in starts[0]
     assert starts[1][starts[1].index("--spec-draft-n-max") + 1] == "3"
+    assert starts[2][starts[2].index("--spec-type") + 1] == "ngram-simple" and "-md" not in starts[2]
     bodies = [line["body"] for line in lines if "body" in line]
-    assert len(bodies) == 2 * (1 + 2)  # a warm-up and the two prompts per server
+    assert len(bodies) == 3 * (1 + 2)  # a warm-up and the two prompts per server
     assert all(b["temperature"] == 0.0 and b["cache_prompt"] is False for b in bodies)
     assert bodies[1]["max_tokens"] == 16 and bodies[1]["messages"] == [{"role": "user", "content": "why?"}]
     # both servers were stopped: nothing answers on their ports any more
@@ -130,6 +134,7 @@ def test_llama_server_is_run_on_the_same_prompts_and_reported(tmp_path):
     own = [{"source": "specdec", "prompt_id": p.id, "category": p.category, "config": "off", "repeat": 0,
             "success": True, "wall_seconds": 1.0, "stats": {"tokens_per_second": 10.0, "generated_tokens": 16}}
            for p in PROMPTS]
+    peer_records = peer_records[:4]  # the report's checks below: off and the draft model
     report = build_report(own + peer_records, {"temperature": 0.0},
                           {"llama-server": "run", "hf-assisted": HF_NOT_GIVEN}, tmp_path)
     row = report["peers"]["llama-server"]["configs"]["llama-server:draft:k3"]

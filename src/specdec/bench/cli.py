@@ -164,9 +164,10 @@ def _measure(args, models, compare, engine_factory, prompts, configs, settings, 
     if peers.get(LLAMA_SERVER):
         target, draft = _model_paths(args, need_draft)
         draft_ks = [c.num_draft_tokens for c in configs if c.method == "draft" and c.source == SOURCE]
+        ngram_ks = [c.num_draft_tokens for c in configs if c.method == "ngram" and c.source == SOURCE]
         threads = args.threads or default_threads()  # the same threads as our engine's default
         run_llama_server(peers[LLAMA_SERVER], prompts, draft_ks, settings, records, target, draft,
-                         out / "logs", args.ctx_size, threads, progress)
+                         out / "logs", args.ctx_size, threads, progress, ngram_ks=ngram_ks)
     if peer_status(peers)[HF_ASSISTED] == RUN:
         target, draft = _model_paths(args, need_draft)
         draft_ks = [c.num_draft_tokens for c in configs if c.method == "draft" and c.source == SOURCE]

@@ -1,8 +1,9 @@
 """Peers: other engines measured on the same prompts in the same run, reported beside ours.
 
-`llama-server=PATH` starts llama.cpp's own server on loopback, once without a draft and once per
+`llama-server=PATH` starts llama.cpp's own server on loopback, once without a draft, once per
 draft length K of the run's `draft` configurations (`-md DRAFT --spec-type draft-simple
---spec-draft-n-max K`), sends every prompt as chat messages to /v1/chat/completions (greedy when
+--spec-draft-n-max K`) and once per K of its `ngram` configurations (its prompt lookup,
+`--spec-type ngram-simple --spec-draft-n-max K`), sends every prompt as chat messages to /v1/chat/completions (greedy when
 the run is, same max tokens, no prompt cache) and records the server's own `timings`.
 `hf-assisted` runs transformers' own `model.generate` on the models the torch backend loads (same
 loader, same chat template, same end-of-generation ids): plain, with the draft model as
@@ -84,18 +85,21 @@ def free_port() -> int:
 class ServerOptions:
     binary: str
     target: str
-    draft: Optional[str] = None  # None: the run without a draft
+    draft: Optional[str] = None  # the draft model's path, for spec_type "draft-simple"
     num_draft_tokens: int = 0
     ctx_size: int = 4096
     threads: Optional[int] = None
+    spec_type: Optional[str] = None  # None: the run without speculation
 
     def command(self, port: int) -> list[str]:
         cmd = [self.binary, "-m", self.target, "--host", "127.0.0.1", "--port", str(port),
                "-c", str(self.ctx_size), "-np", "1", "--no-webui"]
         if self.threads:
             cmd += ["-t", str(self.threads)]
-        if self.draft is not None:
-            cmd += ["-md", self.draft, "--spec-type", "draft-simple", "--spec-draft-n-max", str(self.num_draft_tokens)]
+        if self.spec_type is not None:
+            if self.draft is not None:
+                cmd += ["-md", self.draft]
+            cmd += ["--spec-type", self.spec_type, "--spec-draft-n-max", str(self.num_draft_tokens)]
         return cmd
 
 
@@ -216,20 +220,23 @@ def run_llama_server(
     threads: Optional[int] = None,
     progress: bool = True,
     startup_timeout: float = STARTUP_TIMEOUT_S,
+    ngram_ks: Sequence[int] = (),
 ) -> dict:
-    """Measure llama-server without a draft and with each K; one record per (prompt, config, repeat)."""
+    """Measure llama-server without speculation, with the draft model at each of draft_ks and with
+    its prompt lookup at each of ngram_ks; one record per (prompt, config, repeat)."""
     from tqdm import tqdm
 
-    runs = [(f"{LLAMA_SERVER}:off", "off", 0, None)]
+    runs = [(f"{LLAMA_SERVER}:off", "off", 0, None, None)]
     if draft is not None:
-        runs += [(f"{LLAMA_SERVER}:draft:k{k}", "draft", k, draft) for k in draft_ks]
+        runs += [(f"{LLAMA_SERVER}:draft:k{k}", "draft", k, draft, "draft-simple") for k in draft_ks]
+    runs += [(f"{LLAMA_SERVER}:ngram:k{k}", "ngram", k, None, "ngram-simple") for k in ngram_ks]
     counts = {"measured": 0, "failed": 0}
     seed = None if settings.greedy else settings.seed
-    for label, method, k, draft_path in runs:
+    for label, method, k, draft_path, spec_type in runs:
         todo = [(p, r) for p in prompts for r in range(settings.repeats) if (p.id, label, r) not in records]
         if not todo:
             continue
-        options = ServerOptions(binary, target, draft_path, k, ctx_size, threads)
+        options = ServerOptions(binary, target, draft_path, k, ctx_size, threads, spec_type)
         log_path = Path(log_dir) / f"{label.replace(':', '-')}.log"
         try:
             server = LlamaServer(options, log_path, startup_timeout).start()
