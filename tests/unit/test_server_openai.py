@@ -193,7 +193,7 @@ def test_stop_string_is_honoured(client, method):
     assert response.choices[0].finish_reason == "stop"
 
 
-def test_cross_request_ngrams_are_kept_per_api_key():
+def test_cross_request_history_is_kept_per_api_key():
     """A tenant's repeated request drafts from its own earlier answer; another key's never does."""
     clock = FakeClock()
     engine = Engine(FakeBackend(seed=7, clock=clock, step_cost=0.05, token_cost=0.0005), clock=clock)
