@@ -63,52 +63,53 @@ def drafter_factories(cost: CostModel) -> dict[str, Callable[[], tuple[Drafter, 
     return factories
 
 
+def agreeing_prefix(proposed, actual) -> int:
+    """How many leading tokens of `proposed` equal `actual`'s."""
+    matched = 0
+    for token, expected in zip(proposed, actual):
+        if token != expected:
+            break
+        matched += 1
+    return matched
+
+
 class OracleLookup(Drafter):
-    """Prompt lookup with perfect knowledge of which proposals will hold (see the module doc)."""
+    """Prompt lookup with perfect knowledge of which proposals will hold (see the module doc): of
+    its candidates, the one that will hold longest, cut where a longer proposal stops paying."""
 
     def __init__(self, cost: CostModel, prompt_length: int, output: list[int]):
         self.cost, self.prompt_length, self.output = cost, prompt_length, output
         self.index = NgramIndex(MAX_MATCH)
 
+    def candidates(self, context, k) -> list[tuple[int, ...]]:
+        return [self.index.match(context, k)[1]]  # the latest match's continuation
+
     def propose(self, context, k, sampling, rng) -> Proposal:
-        _, continuation = self.index.match(context, k)
         future = self.output[len(context) - self.prompt_length:]
-        holds = 0
-        for token, actual in zip(continuation, future):
-            if token != actual:
-                break
-            holds += 1
+        holds = max((agreeing_prefix(c, future) for c in self.candidates(context, k)), default=0)
         best = max(range(holds + 1), key=lambda n: (n + 1) / self.cost.target(1 + n))
-        return Proposal(tuple(continuation[:best]))
+        return Proposal(tuple(future[:best]))
 
 
-class OracleSuffix(Drafter):
+class OracleSuffix(OracleLookup):
     """The ceiling of the suffix sources: every occurrence of the longest match, in the request's
-    own text and (with --tenant-history) the tenant's history, is a candidate, and the one that
-    will hold longest is proposed, cut where it stops paying. No policy choosing among the same
-    candidates can beat it."""
+    own text and (with --tenant-history) the tenant's history, is a candidate. No policy choosing
+    among the same candidates can beat it."""
 
     def __init__(self, cost: CostModel, prompt_length: int, output: list[int]):
-        self.cost, self.prompt_length, self.output = cost, prompt_length, output
+        super().__init__(cost, prompt_length, output)
         self.index = SuffixIndex(MAX_MATCH)
         self.history = None
 
     def begin(self, prompt, history=None) -> None:
         self.history = history
 
-    def propose(self, context, k, sampling, rng) -> Proposal:
+    def candidates(self, context, k) -> list[tuple[int, ...]]:
         self.index.track(context)
         candidates = self.index.candidates(context, k)
         if self.history is not None:
             candidates += self.history.candidates(context, k)
-        future = self.output[len(context) - self.prompt_length:]
-        best: tuple[int, ...] = ()
-        for candidate in candidates:
-            holds = next((i for i, (t, a) in enumerate(zip(candidate, future)) if t != a), min(len(candidate), len(future)))
-            if holds > len(best):
-                best = candidate[:holds]
-        cut = max(range(len(best) + 1), key=lambda n: (n + 1) / self.cost.target(1 + n))
-        return Proposal(best[:cut])
+        return candidates
 
 
 def simulate(drafter: Drafter, k: int, prompt: list[int], output: list[int], cost: CostModel,
@@ -123,11 +124,7 @@ def simulate(drafter: Drafter, k: int, prompt: list[int], output: list[int], cos
         budget = min(k, len(output) - position - 1)
         proposal = drafter.propose(context, budget, GREEDY, rng) if budget > 0 else Proposal(())
         draft = proposal.draft_tokens
-        matched = 0
-        for token, actual in zip(draft, output[position:]):
-            if token != actual:
-                break
-            matched += 1
+        matched = agreeing_prefix(draft, output[position:])
         round_seconds = cost.target(1 + len(draft))
         drafter.observe(proposal, matched, round_seconds)
         seconds += round_seconds

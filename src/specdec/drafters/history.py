@@ -75,7 +75,7 @@ class CrossRequestCache:
             self._tenants.clear()
 
     def sizes(self) -> tuple[int, int]:
-        """(tenants, tokens held, all tenants)."""
+        """(tenants, tokens their histories hold together)."""
         with self._lock:
             histories = list(self._tenants.values())
         return len(histories), sum(len(history) for history in histories)

@@ -100,7 +100,7 @@ class SuffixIndex:
 
     def continuation(self, context: Sequence[int], k: int) -> Continuation:
         """Up to k tokens most earlier occurrences of the context's longest matched suffix share."""
-        if k <= 0 or len(context) < self.min_match:
+        if k <= 0:
             return Continuation()
         occurrences, match_length = self._longest_match(context)
         path, evidence = [], []
@@ -121,21 +121,18 @@ class SuffixIndex:
     def latest(self, context: Sequence[int], k: int) -> tuple[int, tuple[int, ...]]:
         """(match length, up to k tokens after the longest match's most recent occurrence): prompt
         lookup's answer; (0, ()) when nothing matched."""
-        occurrences, match_length = self._longest_match(context) if len(context) >= self.min_match else ([], 0)
-        if not occurrences:
-            return 0, ()
-        position = occurrences[-1]
-        return match_length, tuple(self._tokens[position:min(position + k, self._sequence_end_after(position))])
+        occurrences, match_length = self._longest_match(context)
+        return (match_length, self._following(occurrences[-1], k)) if occurrences else (0, ())
 
     def candidates(self, context: Sequence[int], k: int) -> list[tuple[int, ...]]:
         """What followed each occurrence of the context's longest matched suffix (up to k tokens
         each): the choices continuation() weighs, for a simulation that knows which one holds."""
-        occurrences, _ = self._longest_match(context) if k > 0 and len(context) >= self.min_match else ([], 0)
-        return [tuple(self._tokens[p:min(p + k, self._sequence_end_after(p))]) for p in occurrences]
+        return [self._following(p, k) for p in self._longest_match(context)[0]] if k > 0 else []
 
     # -- internals -----------------------------------------------------------------------------
     def _longest_match(self, context: Sequence[int]) -> tuple[list[int], int]:
-        """(positions right after each occurrence of the longest matched suffix, its length)."""
+        """(positions right after each occurrence of the longest matched suffix, its length);
+        ([], 0) when none of at least min_match tokens matched."""
         tail = [int(t) for t in context[-self.max_match:]]
         for n in range(min(self.key_max, len(tail)), self.min_match - 1, -1):
             positions = self._keys.get(tuple(tail[-n:]))
@@ -148,6 +145,10 @@ class SuffixIndex:
             longest = max(lengths)
             return [p for p, length in zip(positions, lengths) if length == longest], longest
         return [], 0
+
+    def _following(self, position: int, k: int) -> tuple[int, ...]:
+        """Up to k tokens from `position`, within its sequence."""
+        return tuple(self._tokens[position:min(position + k, self._sequence_end_after(position))])
 
     def _match_back(self, tail: list[int], position: int) -> int:
         """How many of tail's last tokens equal the tokens before `position`, in one sequence."""
