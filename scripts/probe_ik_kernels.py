@@ -8,7 +8,8 @@ On the target, through specdec's ctypes binding, no engine in between:
 4. flash attention with two sequences in one context (in a child process: ik aborts);
 5. cost per round for 4 streams: a context per stream vs one shared context (one llama_decode);
 6. prompt processing speed in 64-row chunks (exact mode's) vs 512-row chunks;
-7. run-time repacking (what the draft model loads with): step time and batch exactness, both models.
+7. run-time repacking (the draft model's layout, and the target's under --repacked): step time and
+   batch exactness against 1-row and padded 2-row steps, both models.
 Prints one JSON line per finding. Not run in CI (about 15 minutes on 2 cores).
 
     .venv/bin/python scripts/probe_ik_kernels.py [--only rows,splits,shared,fa,streams,prefill,repack] [--out FILE]
@@ -198,28 +199,55 @@ def prefill_speed(probe: Probe, repeats: int = 3):
 
 
 def repacking(probe: Probe, repeats: int = 15):
+    """Both models as stored and repacked: a step's time, and whether 8 batched rows give the
+    logits of one-token steps (1-row calls) and of padded steps (each position in a 2-row call
+    whose second row is dropped: what REPACKED_EXACT_RULES' min_rows makes of a step). For the
+    repacked target also calls of 2..64 rows against padded steps, after 300 and 3000 tokens."""
     from specdec.models.registry import DRAFT
 
     lib = probe.lib
+    tokens = probe.tokens
     for role, spec in (("draft", DRAFT), ("target", TARGET)):
         for repack in (False, True):
             model = lib.load_model(default_path(spec), repack=repack)
-            ctx = lib.new_context(model, ContextOptions(1024, 512, 1, probe.threads, False))
+            ctx = lib.new_context(model, ContextOptions(4200, 512, 1, probe.threads, False))
             n_vocab = lib.n_vocab(lib.vocab(model))
             saved, probe.model, probe.n_vocab = (probe.model, probe.n_vocab), model, n_vocab
+
+            def steps(cache, n, rows_per_call):
+                out = []
+                for i in range(n):
+                    probe.lib.seq_rm(ctx, 0, cache + i)
+                    call = [(0, cache + i + j, tokens[cache + i + j]) for j in range(rows_per_call)]
+                    out.append(probe.decode(ctx, call)[0])
+                return np.stack(out)
+
+            def batched(cache, n):
+                probe.lib.seq_rm(ctx, 0, cache)
+                return probe.decode(ctx, [(0, cache + i, tokens[cache + i]) for i in range(n)])
+
             probe.prefill(ctx, 0, aligned(0, 300))
-            steps = np.stack([probe.decode(ctx, [(0, 300 + i, probe.tokens[300 + i])])[0] for i in range(8)])
-            probe.lib.seq_rm(ctx, 0, 300)
-            batched = probe.decode(ctx, [(0, 300 + i, probe.tokens[300 + i]) for i in range(8)])
+            one_row, padded, eight = steps(300, 8, 1), steps(300, 8, 2), batched(300, 8)
             seconds = []
             for _ in range(repeats):
                 probe.lib.seq_rm(ctx, 0, 300)
                 t0 = time.perf_counter()
-                probe.decode(ctx, [(0, 300, probe.tokens[300])])
+                probe.decode(ctx, [(0, 300, tokens[300])])
                 seconds.append(time.perf_counter() - t0)
-            yield {"probe": "repacking", "model": role, "repack": repack,
-                   "step_ms_median": round(statistics.median(seconds) * 1e3, 1),
-                   "max_logit_difference_8_rows": float(np.abs(batched - steps).max())}
+            finding = {"probe": "repacking", "model": role, "repack": repack,
+                       "step_ms_median": round(statistics.median(seconds) * 1e3, 1),
+                       "max_logit_difference_8_rows_vs_one_row_steps": float(np.abs(eight - one_row).max()),
+                       "max_logit_difference_8_rows_vs_padded_steps": float(np.abs(eight - padded).max())}
+            if role == "target" and repack:
+                for cache in (300, 3000):
+                    probe.lib.seq_rm(ctx, -1, 0)
+                    probe.prefill(ctx, 0, aligned(0, cache))
+                    reference = steps(cache, 64, 2)
+                    differences = {n: float(np.abs(batched(cache, n) - reference[:n]).max())
+                                   for n in [*range(2, 34), 48, 63, 64]}
+                    finding[f"rows_differing_from_padded_steps_after_{cache}"] = {
+                        n: round(difference, 3) for n, difference in differences.items() if difference}
+            yield finding
             probe.model, probe.n_vocab = saved
             lib.free_context(ctx)
             lib.free_model(model)

@@ -8,7 +8,11 @@ speculation each allows under an assumed acceptance, and saves the fastest exact
 per-machine profile. Commands given no --backend then use it, on the machine it was measured on.
 
 Inexact configurations are reported but never chosen: their batched logits may differ from
-one-token steps, so they are a lossy opt-in (--inexact), not a default.
+one-token steps, so they are a lossy opt-in (--inexact), not a default. Repacked ones
+(ik_llama.cpp:repacked, --repacked) are measured with `--configs all` but not chosen either: a
+one-token step there carries a padding row, and the chooser's estimate (a proposal at the assumed
+acceptance every round) prices that row as free, while measured on Spec-Bench `auto` on them
+decodes at 0.94x the stored layout's plain decoding (docs/benchmarks.md, "Repacked weights").
 
 Each calibration is also saved per setup (machine, models, backend options), so that `auto` in a
 one-off command starts from it instead of spending ~10 s calibrating again.
@@ -77,9 +81,11 @@ def best_speculative_rate(cost: CostModel, acceptance: Union[float, dict[str, fl
 
 
 def parse_configs(text: str) -> list[BackendConfig]:
-    """--configs: comma-separated labels, `all` (every installed configuration) or `exact` (its exact ones)."""
+    """--configs: comma-separated labels, `all` (every installed configuration) or `exact` (those a
+    profile may choose: exact, weights as stored)."""
     if text.strip() in ("all", "exact"):
-        configs = [config for config in installed_configs() if config.exact or text.strip() == "all"]
+        configs = [config for config in installed_configs()
+                   if text.strip() == "all" or (config.exact and not config.repacked)]
         if not configs:
             raise SpecdecError("no backend is installed; run `make install`.")
         return configs
@@ -122,8 +128,10 @@ def measure_config(models: ModelConfig, config: BackendConfig, load_engine: Call
 
 def choose(entries: list[dict]) -> Optional[str]:
     """The exact configuration with the highest expected end-to-end tokens/s (plain or speculative);
-    None when no exact one was measured. Inexact ones are never chosen: they are the lossy opt-in."""
-    exact = [entry for entry in entries if entry["exact"] and "error" not in entry]
+    None when no exact one was measured. Inexact ones are never chosen: they are the lossy opt-in;
+    nor repacked ones, whose padded steps the estimate overrates (module docstring)."""
+    exact = [entry for entry in entries
+             if entry["exact"] and "error" not in entry and not BackendConfig.parse(entry["config"]).repacked]
     if not exact:
         return None
     return max(exact, key=lambda entry: entry["end_to_end_tokens_per_second"])["config"]

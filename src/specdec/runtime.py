@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +31,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-draft", action="store_true", help="load no draft model (methods off and ngram only)")
     group.add_argument("--ctx-size", type=int, default=4096, help="context length in tokens (default 4096)")
     group.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    group.add_argument("--repacked", action="store_true",
+                       help="ik_llama.cpp only: the target's weights repacked row-interleaved at load (faster at every "
+                            "row count; exact from 2 rows, so one-token steps carry a padding row); without --backend, "
+                            "the saved choice's")
     group.add_argument("--inexact", action="store_true",
                        help="LOSSY opt-in: faster kernels whose batched logits may differ from one-token steps")
 
@@ -43,19 +48,22 @@ def add_method_arguments(parser: argparse.ArgumentParser, default_method: str = 
 
 
 def backend_config(args: argparse.Namespace) -> BackendConfig:
-    """--backend and --dtype, or else the saved per-machine choice if it was measured on this
-    machine, or else the first installed backend. Exactness stays --inexact's: never the profile's."""
+    """--backend, --dtype and --repacked, or else the saved per-machine choice if it was measured on
+    this machine, or else the first installed backend. Exactness stays --inexact's: never the profile's."""
     from specdec.machine_profile import saved_choice
 
     exact = not getattr(args, "inexact", False)
     dtype = getattr(args, "dtype", None)
+    repacked = getattr(args, "repacked", False)
     if getattr(args, "backend", None) is None:
         choice = saved_choice()
         if choice is not None:
-            return BackendConfig(choice.backend, choice.dtype, exact)
-        return BackendConfig.parse(default_backend() + ("" if exact else ":inexact"))
-    dtypes = backend_entry(args.backend).dtypes
-    return BackendConfig(args.backend, (dtype or dtypes[0]) if dtypes else None, exact)
+            return replace(choice, exact=exact, repacked=choice.repacked or repacked)
+        return BackendConfig.parse(default_backend() + (":repacked" if repacked else "") + ("" if exact else ":inexact"))
+    entry = backend_entry(args.backend)
+    if repacked and not entry.repacks:
+        raise SpecdecError(f"--repacked applies to ik_llama.cpp only, not {args.backend}.")
+    return BackendConfig(args.backend, (dtype or entry.dtypes[0]) if entry.dtypes else None, exact, repacked)
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:

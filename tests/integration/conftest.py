@@ -1,8 +1,9 @@
 """The real-pair tier: the default GGUF pair, loaded once per backend for the whole tier.
 
 The default backend (the first installed of the registry's DEFAULT_ORDER, or SPECDEC_TEST_BACKEND)
-runs every test; the other installed llama.cpp-family backends run a sample (tests that take
-`each_engine` or `sampled_engine`), each loaded once for the session.
+runs every test; the other installed llama.cpp-family backend configurations (ik_llama.cpp with
+repacked weights among them) run a sample (tests that take `each_engine` or `sampled_engine`),
+each loaded once for the session.
 """
 import os
 
@@ -10,9 +11,11 @@ import pytest
 
 from specdec.backends.registry import BackendConfig, ModelConfig, backend_entry, default_backend
 
-LLAMA_FAMILY = ("ik_llama.cpp", "llama.cpp")
+# Backend configurations by label: ik_llama.cpp with its weights as stored and repacked, mainline.
+LLAMA_FAMILY = ("ik_llama.cpp", "ik_llama.cpp:repacked", "llama.cpp")
 DEFAULT_BACKEND = os.environ.get("SPECDEC_TEST_BACKEND") or default_backend()
-SAMPLED_BACKENDS = [name for name in LLAMA_FAMILY if name != DEFAULT_BACKEND and backend_entry(name).installed()]
+SAMPLED_BACKENDS = [label for label in LLAMA_FAMILY
+                    if label != DEFAULT_BACKEND and backend_entry(BackendConfig.parse(label).backend).installed()]
 
 
 def load_real_engine(backend: str):
@@ -61,7 +64,8 @@ def each_backend(request):
 def each_engine(request, engines):
     """The default backend's engine, then each sampled backend's."""
     engine = engines(request.param)
-    assert engine.target.name == request.param
+    config = BackendConfig.parse(request.param)
+    assert (engine.target.name, engine.target.describe().get("repacked", False)) == (config.backend, config.repacked)
     return engine
 
 

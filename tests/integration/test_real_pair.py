@@ -117,8 +117,8 @@ def test_batched_logits_equal_one_step_logits_at_one_thread_too(each_backend):
     from specdec.backends.registry import BackendConfig, ModelConfig, backend_entry
     from specdec.models.registry import TARGET, default_path
 
-    config = ModelConfig(BackendConfig(each_backend), ctx_size=512, threads=1)
-    target = backend_entry(each_backend).load(default_path(TARGET), config, 1, False)
+    config = ModelConfig(BackendConfig.parse(each_backend), ctx_size=512, threads=1)
+    target = backend_entry(config.backend.backend).load(default_path(TARGET), config, 1, False)
     try:
         prompt = target.tokenize(target.apply_chat_template(
             [{"role": "user", "content": "Write a haiku about the sea."}]), add_special=False)

@@ -297,3 +297,38 @@ def test_the_draft_models_catch_up_is_priced():
         drafter = drafter_with(cost, ngram_rate=0.0, draft_rate=0.9, model=model)
         proposal = drafter.propose(context, 4, GREEDY, None)
         assert (proposal.source == "draft") is expect_draft
+
+
+class SlowModelDrafter(StubModelDrafter):
+    """A draft model whose every proposal takes `seconds` on the injected clock."""
+
+    def __init__(self, clock, seconds):
+        super().__init__()
+        self.clock, self.seconds = clock, seconds
+
+    def propose(self, context, k, sampling, rng, prefix=(), keep_drafting=None):
+        self.clock.advance(self.seconds)
+        return super().propose(context, k, sampling, rng, prefix, keep_drafting)
+
+
+def test_a_draft_model_slower_than_its_calibrated_step_is_priced_at_what_it_really_takes():
+    """Flat verification (t(1) 50 ms, t(2) 51 ms), a 5 ms calibrated draft step and acceptance 0.3
+    make one drafted token the plan (1.3 / 56 ms beats 1 / 50 ms); when each proposal takes 60 ms
+    (copies, softmax, catch-up kernels the step does not count), the measured/priced ratio climbs
+    towards its 3x cap until 1.3 / (51 + 5 x scale) ms no longer pays and the draft stops; at the calibrated time it stays."""
+    for seconds, keeps_drafting in ((0.060, False), (0.005, True)):
+        clock = FakeClock()
+        auto = AutoDrafter(flat_costs(draft_step=0.005), None, clock=clock)
+        auto.model_drafter = SlowModelDrafter(clock, seconds)
+        auto.estimates["draft"] = AcceptanceEstimate(prior=0.3, prior_weight=1000)
+        sources = []
+        for _ in range(30):
+            proposal = auto.propose([1, 2, 3], 1, GREEDY, None)
+            sources.append(proposal.source)
+            auto.observe(proposal, 0, None)
+        assert sources[0] == "draft"
+        assert (sources[-1] == "draft") is keeps_drafting
+        if keeps_drafting:
+            assert auto.draft_seconds_scale == pytest.approx(1.0)
+        else:  # learned until the price stopped paying: no more proposals, no more measurements
+            assert 2.0 < auto.draft_seconds_scale <= 3.0

@@ -71,6 +71,19 @@ def test_exact_prefill_runs_each_sequence_alone_in_aligned_chunks():
     assert [len(call) for call in per_sequence] == [512, 188]  # no max_prefill_rows: aligned chunks up to the batch
 
 
+def test_calls_shorter_than_min_rows_are_padded_at_the_next_positions_of_their_last_sequence():
+    rules = ik_llama.REPACKED_EXACT_RULES
+    assert rules.min_rows == 2
+    (call,) = plan_calls([(3, 10, [42])], prefill=False, rules=rules, capacity=512)
+    assert call == [Row(0, 3, 10, 42), Row(0, 3, 11, 42, pad=True)]
+    two = plan_calls([(3, 10, [42, 43])], prefill=False, rules=rules, capacity=512)
+    assert not any(row.pad for row in two[0])
+    # a prompt whose aligned chunks leave one row at either end: those chunks get a pad each
+    chunks = plan_calls([(0, 63, list(range(66)))], prefill=True, rules=rules, capacity=512)
+    assert [(len(call), sum(row.pad for row in call)) for call in chunks] == [(2, 1), (64, 0), (2, 1)]
+    assert [row.position for row in chunks[0]] == [63, 64] and [row.position for row in chunks[2]] == [128, 129]
+
+
 def test_inexact_calls_fill_the_batch():
     requests = [(0, 0, list(range(600))), (1, 0, list(range(100)))]
     assert [len(call) for call in plan_calls(requests, prefill=True, rules=ANY, capacity=512)] == [512, 188]
@@ -79,15 +92,21 @@ def test_inexact_calls_fill_the_batch():
 
 def test_every_row_is_planned_once_in_order_within_each_request():
     rng = random.Random(7)
-    for rules in (SHARED, PER_SEQUENCE, ANY, llama_cpp_python.EXACT_RULES, ik_llama.EXACT_RULES, ik_llama.INEXACT_RULES):
+    for rules in (SHARED, PER_SEQUENCE, ANY, llama_cpp_python.EXACT_RULES, ik_llama.EXACT_RULES, ik_llama.INEXACT_RULES,
+                  ik_llama.REPACKED_EXACT_RULES):
         for prefill in (False, True):
             requests = [(seq, rng.randrange(0, 300), [rng.randrange(100) for _ in range(rng.randrange(0, 90))])
                         for seq in rng.sample(range(8), rng.randrange(1, 5))]
             calls = plan_calls(requests, prefill=prefill, rules=rules, capacity=128)
-            assert all(0 < len(call) <= 128 for call in calls)
+            assert all(rules.min_rows <= len(call) <= 128 for call in calls)
             if not prefill and rules.max_decode_rows:
-                assert all(len(call) <= rules.max_decode_rows for call in calls)
+                assert all(len(call) <= max(rules.max_decode_rows, rules.min_rows) for call in calls)
+            for call in calls:  # pads only close a call, after a real row of their own sequence
+                real = [row for row in call if not row.pad]
+                assert real and call[:len(real)] == real
+                assert all(pad.seq_id == real[-1].seq_id and pad.position == real[-1].position + i + 1
+                           for i, pad in enumerate(call[len(real):]))
             for index, (seq_id, start, tokens) in enumerate(requests):
-                rows = [row for call in calls for row in call if row.request == index]
+                rows = [row for call in calls for row in call if row.request == index and not row.pad]
                 assert [(row.seq_id, row.position, row.token) for row in rows] == \
                     [(seq_id, start + i, token) for i, token in enumerate(tokens)]

@@ -71,3 +71,5 @@ def test_the_library_exports_every_declared_function_and_initialises():
     binding = ik_llama.binding()
     assert binding is ik_llama.binding()  # opened once per process
     assert binding.rules(exact=True) == ik_llama.EXACT_RULES and binding.rules(exact=False) == ik_llama.INEXACT_RULES
+    assert binding.rules(exact=True, repacked=True) == ik_llama.REPACKED_EXACT_RULES
+    assert binding.rules(exact=False, repacked=True) == ik_llama.INEXACT_RULES

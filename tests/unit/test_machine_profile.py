@@ -64,20 +64,22 @@ def only_installed(monkeypatch, *names):
 
 
 def test_configuration_labels_parse_and_round_trip(monkeypatch):
-    for label in ("ik_llama.cpp", "ik_llama.cpp:inexact", "llama.cpp", "llama.cpp:inexact", "torch:bfloat16",
-                  "torch:float32:inexact"):
+    for label in ("ik_llama.cpp", "ik_llama.cpp:inexact", "ik_llama.cpp:repacked", "ik_llama.cpp:repacked:inexact",
+                  "llama.cpp", "llama.cpp:inexact", "torch:bfloat16", "torch:float32:inexact"):
         assert BackendConfig.parse(label).label == label
+    assert BackendConfig.parse("ik_llama.cpp:inexact:repacked") == BackendConfig("ik_llama.cpp", None, False, True)
     assert BackendConfig.parse("torch") == BackendConfig("torch", "bfloat16", True)
     assert BackendConfig.parse("torch:inexact") == BackendConfig("torch", "bfloat16", False)
-    for bad in ("vllm", "torch:float16", "llama.cpp:float32", "ik_llama.cpp:bfloat16"):
+    for bad in ("vllm", "torch:float16", "llama.cpp:float32", "ik_llama.cpp:bfloat16", "llama.cpp:repacked",
+                "torch:repacked"):
         with pytest.raises(SpecdecError):
             BackendConfig.parse(bad)
     assert parse_configs("llama.cpp, torch:float32,llama.cpp") == [BackendConfig("llama.cpp"),
                                                                    BackendConfig("torch", "float32")]
     only_installed(monkeypatch, "llama.cpp", "ik_llama.cpp")
-    assert [c.label for c in parse_configs("all")] == ["ik_llama.cpp", "ik_llama.cpp:inexact", "llama.cpp",
-                                                       "llama.cpp:inexact"]
-    assert [c.label for c in parse_configs("exact")] == ["ik_llama.cpp", "llama.cpp"]
+    assert [c.label for c in parse_configs("all")] == ["ik_llama.cpp", "ik_llama.cpp:inexact", "ik_llama.cpp:repacked",
+                                                       "ik_llama.cpp:repacked:inexact", "llama.cpp", "llama.cpp:inexact"]
+    assert [c.label for c in parse_configs("exact")] == ["ik_llama.cpp", "llama.cpp"]  # those a profile may choose
     only_installed(monkeypatch)
     with pytest.raises(SpecdecError, match="no backend is installed"):
         parse_configs("all")
@@ -89,7 +91,7 @@ def entry(label, step, per_token, draft_step=0.005):
     return profile_entry(BackendConfig.parse(label), cost)
 
 
-def test_the_chooser_takes_the_fastest_exact_configuration_and_never_an_inexact_one():
+def test_the_chooser_takes_the_fastest_exact_configuration_and_never_an_inexact_or_repacked_one():
     linear = entry("llama.cpp", 0.005, 0.045)  # plain 20 tok/s, speculation slower
     flat_but_lossy = entry("llama.cpp:inexact", 0.045, 0.005)  # the fastest of all
     # plain 1 / 0.055 = 18.2 tok/s; at the measured acceptance (n-gram 0.46, draft model 0.78, its
@@ -102,6 +104,9 @@ def test_the_chooser_takes_the_fastest_exact_configuration_and_never_an_inexact_
     assert choose([linear, flat_but_lossy, slower_step_cheap_verify]) == "torch:float32"
     assert choose([linear, flat_but_lossy]) == "llama.cpp"
     assert choose([flat_but_lossy]) is None
+    padded = entry("ik_llama.cpp:repacked", 0.040, 0.001)  # t(2) barely above t(1), as when steps are padded
+    assert padded["end_to_end_tokens_per_second"] > slower_step_cheap_verify["end_to_end_tokens_per_second"]
+    assert choose([linear, padded]) == "llama.cpp"  # an opt-in: its padded steps are overrated
     failed = {"config": "torch:bfloat16", "exact": True, "error": "torch is not installed"}
     assert choose([failed, linear]) == "llama.cpp"
 

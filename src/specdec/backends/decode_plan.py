@@ -16,6 +16,7 @@ class Row:
     seq_id: int
     position: int
     token: int
+    pad: bool = False  # fills a call up to the rules' min_rows: its logits are dropped, its cell removed
 
 
 def plan_calls(requests: Sequence[tuple[int, int, Sequence[int]]], *, prefill: bool, rules: KernelRules,
@@ -29,7 +30,20 @@ def plan_calls(requests: Sequence[tuple[int, int, Sequence[int]]], *, prefill: b
 
     Example: requests [(0, 10, [a, b, c, d]), (1, 3, [e, f])], max_decode_rows 3, one shared
     context -> [[0@10 a, 0@11 b, 0@12 c], [0@13 d, 1@3 e, 1@4 f]] (seq@position token).
+
+    A call shorter than min_rows is padded with its last row's token at the next positions of
+    that row's sequence: min_rows 2, [(0, 10, [a])] -> [[0@10 a, 0@11 a (pad)]].
     """
+    return [pad_call(call, rules.min_rows) for call in _unpadded_calls(requests, prefill, rules, capacity)]
+
+
+def pad_call(call: list[Row], min_rows: int) -> list[Row]:
+    last = call[-1]
+    return call + [Row(last.request, last.seq_id, last.position + offset, last.token, pad=True)
+                   for offset in range(1, min_rows - len(call) + 1)]
+
+
+def _unpadded_calls(requests, prefill: bool, rules: KernelRules, capacity: int) -> list[list[Row]]:
     rows = [[Row(index, seq_id, start + offset, int(token)) for offset, token in enumerate(tokens)]
             for index, (seq_id, start, tokens) in enumerate(requests)]
     if prefill and rules.prefill_alignment > 1:

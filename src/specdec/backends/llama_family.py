@@ -37,6 +37,7 @@ class LlamaFamilyBackend(Backend):
         max_sequences: int = 1,
         exact: bool = True,
         proposals_only: bool = False,
+        repack: bool = False,
     ):
         path = Path(model_path)
         check_gguf_file(path)
@@ -44,7 +45,10 @@ class LlamaFamilyBackend(Backend):
         self.name = binding.name
         self.model_path = path
         self.exact = exact
-        self.rules = binding.rules(exact)
+        if repack and not binding.repacks:
+            raise SpecdecError(f"{binding.name} has no separate repacked weight layout; drop --repacked.")
+        self.repacked = repack
+        self.rules = binding.rules(exact, repacked=repack)
         self.n_threads = n_threads or default_threads()
         self.max_sequences = max_sequences
         self.prefill_alignment = self.rules.prefill_alignment
@@ -53,7 +57,7 @@ class LlamaFamilyBackend(Backend):
         # A draft model's logits only choose what is proposed, never what is accepted: it may run
         # on faster weight layouts whose batched numbers are not exact.
         self.proposals_only = proposals_only
-        self._model = binding.load_model(path, repack=proposals_only)
+        self._model = binding.load_model(path, repack=repack or proposals_only)
         if not self._model:
             raise SpecdecError(f"{self.name} could not load {path}: the file is corrupt or not a supported GGUF model.")
         try:
@@ -81,8 +85,9 @@ class LlamaFamilyBackend(Backend):
             if not ctx:
                 raise SpecdecError(f"{self.name} could not create a context of {n_ctx} tokens for {self.model_path}.")
             self._contexts.append(ctx)
+        # A padded call writes up to min_rows - 1 cells past the sequence's last position.
         self.n_ctx = min(self._binding.context_cells_per_sequence(ctx, sequences_per_context)
-                         for ctx in self._contexts)
+                         for ctx in self._contexts) - (self.rules.min_rows - 1)
 
     def _context_of(self, seq_id: int) -> tuple[object, int]:
         """(context, the sequence's id inside it)."""
@@ -158,14 +163,20 @@ class LlamaFamilyBackend(Backend):
                     batch.pos[i] = row.position
                     batch.n_seq_id[i] = 1
                     batch.seq_id[i][0] = self._context_of(row.seq_id)[1]
-                    batch.logits[i] = not prefill
+                    batch.logits[i] = not prefill  # pads too: rows with logits share the output kernel
                 batch.n_tokens = len(call)
                 rc = binding.decode(ctx, batch, self.rules)
                 if rc != 0:
                     raise SpecdecError(f"llama_decode failed with code {rc} (no room left in the KV cache?).")
+                pads = [row for row in call if row.pad]
+                if pads:
+                    ctx_of_pad, local_id = self._context_of(pads[0].seq_id)
+                    binding.seq_rm(ctx_of_pad, local_id, pads[0].position)
                 if prefill:
                     continue
                 for i, row in enumerate(call):
+                    if row.pad:
+                        continue
                     logits = binding.logits_ith(ctx, i)
                     outputs[row.request].append(np.ctypeslib.as_array(logits, shape=(self.vocab_size,)).copy())
         empty = np.zeros((0, self.vocab_size), dtype=np.float32)
@@ -185,6 +196,8 @@ class LlamaFamilyBackend(Backend):
             "flash_attn": self.rules.flash_attn,
             "max_decode_rows": self.rules.max_decode_rows,
             "context_per_sequence": self.rules.context_per_sequence,
+            "min_rows": self.rules.min_rows,
+            "repacked": self.repacked,
             "proposals_only": self.proposals_only,
         }
 

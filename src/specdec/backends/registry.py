@@ -17,6 +17,7 @@ from specdec.backends.base import Backend
 from specdec.types import SpecdecError
 
 INEXACT = "inexact"
+REPACKED = "repacked"
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class BackendEntry:
     # (model path, configuration, slots, whether it is the draft model) -> backend
     load: Callable[[Path, ModelConfig, int, bool], Backend]
     dtypes: tuple[str, ...] = ()  # --dtype choices, the first being the default; () where it does not apply
+    repacks: bool = False  # whether the target may load with its weights repacked (--repacked)
 
 
 REGISTRY: dict[str, BackendEntry] = {}
@@ -64,23 +66,29 @@ def backend_entry(name: str) -> BackendEntry:
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """A backend, its dtype (where it has a choice) and whether verification is exact."""
+    """A backend, its dtype (where it has a choice), whether the target's weights are repacked
+    (where the backend can) and whether verification is exact."""
 
     backend: str
     dtype: Optional[str] = None
     exact: bool = True
+    repacked: bool = False
 
     @property
     def label(self) -> str:
-        """"ik_llama.cpp", "llama.cpp:inexact", "torch:bfloat16", "torch:float32:inexact"."""
-        return ":".join([self.backend, *([self.dtype] if self.dtype else []), *([] if self.exact else [INEXACT])])
+        """"ik_llama.cpp", "ik_llama.cpp:repacked", "llama.cpp:inexact", "torch:float32:inexact"."""
+        return ":".join([self.backend, *([self.dtype] if self.dtype else []), *([REPACKED] if self.repacked else []),
+                         *([] if self.exact else [INEXACT])])
 
     @classmethod
     def parse(cls, text: str) -> "BackendConfig":
         backend, *rest = text.strip().split(":")
         entry = backend_entry(backend)
         exact = INEXACT not in rest
-        rest = [part for part in rest if part != INEXACT]
+        repacked = REPACKED in rest
+        if repacked and not entry.repacks:
+            raise SpecdecError(f"{backend} has no repacked weight layout; drop :{REPACKED} from {text!r}.")
+        rest = [part for part in rest if part not in (INEXACT, REPACKED)]
         dtype = None
         if entry.dtypes:
             dtype = rest.pop(0) if rest else entry.dtypes[0]
@@ -88,7 +96,7 @@ class BackendConfig:
                 raise SpecdecError(f"unknown dtype {dtype!r} in {text!r}; choose {' or '.join(entry.dtypes)}.")
         if rest:
             raise SpecdecError(f"cannot read configuration {text!r}; e.g. {', '.join(example_labels())}.")
-        return cls(backend, dtype, exact)
+        return cls(backend, dtype, exact, repacked)
 
 
 def example_labels() -> list[str]:
@@ -97,11 +105,13 @@ def example_labels() -> list[str]:
 
 
 def installed_configs() -> list[BackendConfig]:
-    """Every configuration whose libraries are installed: each backend exact and inexact, per dtype."""
+    """Every configuration whose libraries are installed: each backend exact and inexact, per dtype
+    and weight layout."""
     configs = []
     for name, entry in REGISTRY.items():
         if entry.installed():
-            configs += [BackendConfig(name, dtype, exact) for dtype in (entry.dtypes or (None,)) for exact in (True, False)]
+            configs += [BackendConfig(name, dtype, exact, repacked) for dtype in (entry.dtypes or (None,))
+                        for repacked in ((False, True) if entry.repacks else (False,)) for exact in (True, False)]
     return configs
 
 
@@ -120,7 +130,8 @@ def _llama_family(binding_module: str) -> Callable[[Path, ModelConfig, int, bool
 
         binding = importlib.import_module(binding_module).binding()
         return LlamaFamilyBackend(binding, path, n_ctx=config.ctx_size, n_threads=config.threads,
-                                  max_sequences=n_slots, exact=config.backend.exact, proposals_only=draft)
+                                  max_sequences=n_slots, exact=config.backend.exact, proposals_only=draft,
+                                  repack=config.backend.repacked and not draft)
 
     return load
 
@@ -143,7 +154,7 @@ IK_BINDING = "specdec.backends.bindings.ik_llama"
 MAINLINE_BINDING = "specdec.backends.bindings.llama_cpp_python"
 IK_LLAMA_CPP = register(BackendEntry(
     "ik_llama.cpp", "ik_llama.cpp (PyPI ik-llama-cpp-python): CPU kernels whose batched rows cost little more than one",
-    _installed(IK_BINDING), _llama_family(IK_BINDING)))
+    _installed(IK_BINDING), _llama_family(IK_BINDING), repacks=True))
 LLAMA_CPP = register(BackendEntry(
     "llama.cpp", "mainline llama.cpp (llama-cpp-python, built for this CPU)",
     _installed(MAINLINE_BINDING), _llama_family(MAINLINE_BINDING)))

@@ -12,12 +12,13 @@ import os
 import platform
 import shlex
 import sys
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
 from specdec.backends.base import default_threads
-from specdec.backends.registry import TORCH, BackendConfig, backend_entry
+from specdec.backends.registry import TORCH, BackendConfig
 from specdec.bench.datasets import SPEC_BENCH, load_prompts, spec_bench_path
 from specdec.bench.peers import (HF_ASSISTED, LLAMA_SERVER, RUN, parse_peers, peer_status, run_hf_assisted,
                                  run_llama_server)
@@ -67,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", action="append", default=[], metavar="PEER",
                         help="also measure llama-server=PATH (llama.cpp's server binary) or hf-assisted (repeatable)")
     parser.add_argument("--compare-backend", action="append", default=[], metavar="BACKEND",
-                        help="also run every configuration on this backend's engine, loaded beside the first and "
+                        help="also run every configuration on this backend configuration's engine (a label, e.g. llama.cpp or "
+                             "ik_llama.cpp:repacked), loaded beside the first and "
                              "interleaved with it per prompt (repeatable; labelled specdec@BACKEND:method)")
     parser.add_argument("--compare-methods", default=None, metavar="METHODS",
                         help="the configurations run on each --compare-backend, as --methods (default: the same; "
@@ -100,8 +102,7 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
     own = parse_configs(_split([args.methods]), ks)
     compare = list(dict.fromkeys(_split(args.compare_backend)))
     for backend in compare:
-        backend_entry(backend)  # an unknown name fails here, before anything loads
-        if backend == models.backend.backend:
+        if BackendConfig.parse(backend).label == models.backend.label:  # an unknown name fails here, before loading
             raise SpecdecError(f"--compare-backend {backend} is already the backend measured.")
     theirs = parse_configs(_split([args.compare_methods]), ks) if args.compare_methods is not None else own
     configs = own + [config for backend in compare for config in on_backend(theirs, backend)]
@@ -149,8 +150,9 @@ def _measure(args, models, compare, engine_factory, prompts, configs, settings, 
         compared = {}
         try:
             for backend in compare:
-                inexact = "" if models.backend.exact else ":inexact"
-                compared[compared_source(backend)] = load(models.with_backend(BackendConfig.parse(backend + inexact)))
+                config = BackendConfig.parse(backend)  # a label: ik_llama.cpp:repacked, llama.cpp:inexact
+                config = config if models.backend.exact else replace(config, exact=False)
+                compared[compared_source(backend)] = load(models.with_backend(config))
             meta["engine"] = {"target": engine.target.describe(),
                               "draft": engine.draft.describe() if engine.draft is not None else None}
             meta["compared_engines"] = {source: other.target.describe() for source, other in compared.items()}

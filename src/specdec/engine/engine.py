@@ -93,7 +93,7 @@ class Engine:
         calibration of the same setup (it keeps updating online either way)."""
         self.cost_model = cost
         for each in self.slots:
-            each.drafters["auto"] = AutoDrafter(cost, each.drafters.get("draft"))
+            each.drafters["auto"] = AutoDrafter(cost, each.drafters.get("draft"), clock=self.clock)
         return cost
 
     # -- prompts -----------------------------------------------------------------------------

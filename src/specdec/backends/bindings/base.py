@@ -29,7 +29,9 @@ class KernelRules:
     flash_attn: run attention with the flash-attention kernel;
     fa_reference: send flash attention down its reference path (mainline's patched switch);
     context_per_sequence: give every sequence a context (KV cache) of its own, sharing the
-        loaded weights, where sequences sharing one cache change each other's numbers.
+        loaded weights, where sequences sharing one cache change each other's numbers;
+    min_rows: rows per call at least, where one row runs a kernel of its own (repacked weights):
+        a shorter call is padded with rows whose logits are dropped and whose cells are removed.
     """
 
     max_decode_rows: Optional[int]
@@ -38,6 +40,7 @@ class KernelRules:
     max_prefill_rows: Optional[int] = None
     fa_reference: bool = False
     context_per_sequence: bool = False
+    min_rows: int = 1
 
 
 @dataclass(frozen=True)
@@ -59,14 +62,18 @@ class LlamaBinding(ABC):
     _lib: object
 
     @abstractmethod
-    def rules(self, exact: bool) -> KernelRules:
-        """The measured kernel rules for exact (or the lossy inexact) mode."""
+    def rules(self, exact: bool, repacked: bool = False) -> KernelRules:
+        """The measured kernel rules for exact (or the lossy inexact) mode, on weights as stored
+        or repacked."""
+
+    # Whether load_model(repack=True) lays the weights out differently (ik_llama.cpp's row-
+    # interleaved types); mainline repacks Q4_K in every mode, so it has no separate choice.
+    repacks: bool = False
 
     @abstractmethod
     def load_model(self, path: Path, repack: bool = False):
         """A loaded model, or a false value when the library refused the file. `repack`: lay the
-        weights out for the library's fastest kernels even where batched rows then differ from
-        one-token steps (for a draft model, whose logits only shape proposals)."""
+        weights out for the library's fastest kernels, whose rules(repacked=True) then apply."""
 
     @abstractmethod
     def free_model(self, model) -> None: ...

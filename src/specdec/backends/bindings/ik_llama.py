@@ -142,6 +142,17 @@ EXACT_RULES = KernelRules(max_decode_rows=31, prefill_alignment=64, max_prefill_
                           context_per_sequence=True)
 # Lossy: every sequence in one shared cache and one llama_decode call (faster with several streams).
 INEXACT_RULES = KernelRules(max_decode_rows=None, prefill_alignment=1, flash_attn=False)
+# With the target's weights repacked at load time into row-interleaved types (Q4_K -> Q4_K_R4,
+# Q6_K -> Q6_K_R4), every row count from 2 up runs the same kernel, each row accumulated on its
+# own: after caches of 300 and 3000 tokens, calls of 2..64 rows give bit for bit the logits of
+# the same positions evaluated in 2-row calls, and prompts split as 64-aligned chunks, 8-row
+# chunks or 512 + rest give the same next-token logits. A single row runs a kernel of its own
+# (the minimums summed in another order: 8 rows up to 0.58 from 8 one-row steps), so no call holds fewer than 2 rows.
+# The repacked kernels are faster at every row count (Zen 4, 2 threads: 1 row 38 ms, 2 rows 46,
+# 4 rows 68 vs 41, 63, 92 as stored): a one-token step padded to 2 rows costs about what one row
+# as stored does, and the second row can carry a proposal for nothing. scripts/probe_ik_kernels.py.
+REPACKED_EXACT_RULES = KernelRules(max_decode_rows=64, prefill_alignment=64, max_prefill_rows=64, flash_attn=False,
+                                   context_per_sequence=True, min_rows=2)
 
 
 def library_dir() -> Optional[Path]:
@@ -190,15 +201,19 @@ class IkLlamaBinding(LlamaBinding):
             self._lib.llama_log_set(self._silence, None)
         self._lib.llama_backend_init()
 
-    def rules(self, exact: bool) -> KernelRules:
-        return EXACT_RULES if exact else INEXACT_RULES
+    repacks = True
+
+    def rules(self, exact: bool, repacked: bool = False) -> KernelRules:
+        if not exact:
+            return INEXACT_RULES
+        return REPACKED_EXACT_RULES if repacked else EXACT_RULES
 
     # -- models and contexts -----------------------------------------------------------------
     def load_model(self, path: Path, repack: bool = False):
         params = self._lib.llama_model_default_params()
         params.n_gpu_layers = 0
         # Run-time repacking into row-interleaved types: the draft's step 13.2 ms instead of
-        # 19.9 ms on a 2-core Zen 4, but 8 batched rows differ from one-token steps by up to 0.4.
+        # 19.9 ms on a 2-core Zen 4; exact only under REPACKED_EXACT_RULES.
         params.repack_tensors = repack
         return self._lib.llama_model_load_from_file(str(path).encode(), params)
 

@@ -58,7 +58,7 @@ class LlamaCppPythonBinding(LlamaBinding):
         self._decode_lock = threading.Lock()
         self._memories: dict[int, object] = {}
 
-    def rules(self, exact: bool) -> KernelRules:
+    def rules(self, exact: bool, repacked: bool = False) -> KernelRules:
         return EXACT_RULES if exact else INEXACT_RULES
 
     # -- models and contexts -----------------------------------------------------------------
