@@ -8,7 +8,7 @@ from fakes.clock import FakeClock
 from specdec.backends.fake import FakeBackend
 from specdec.drafters.auto import (NGRAM_PRIORS, AcceptanceEstimate, AutoDrafter, EvidenceEstimate, Offer, Option,
                                    expected_tokens, match_bucket)
-from specdec.drafters.model import ModelDrafter
+from specdec.drafters.model import MAX_JOINED_CATCH_UP, ModelDrafter
 from specdec.drafters.suffix import Evidence
 from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
@@ -188,6 +188,32 @@ def test_model_draft_stops_early_when_its_confidence_no_longer_pays():
         auto = AutoDrafter(cost, drafter)
         keep = auto._early_stop(Option("draft", 6, 1.0 / cost.target(1)))
         assert keep(1, 0.9) is expect_long
+
+
+def test_model_draft_catches_up_in_the_forward_that_starts_it():
+    """After the first proposal (the prompt processed in batches), a round evaluates what was
+    committed since together with the last token, then one forward per further drafted token; a
+    lag past MAX_JOINED_CATCH_UP is processed as a prompt first. The proposal is what a drafter
+    starting from scratch proposes."""
+    draft = FakeBackend(seed=7, noise=0.3)
+    calls = []
+    evaluate = draft.eval
+    draft.eval = lambda seq_id, start, tokens, prefill=False: calls.append((len(tokens), prefill)) or \
+        evaluate(seq_id, start, tokens, prefill=prefill)
+    drafter = ModelDrafter(CachedSequence(draft, 0))
+    context = draft.tokenize("the cat sat on the mat and then the dog", add_special=False)
+    drafter.propose(context, 2, GREEDY, None)
+    for committed in ([5, 6], [7], list(range(8, 30))):
+        context = context + committed
+        lag = len(context) - 1 - drafter.sequence.reusable_prefix(context[:-1])
+        calls.clear()
+        proposal = drafter.propose(context, 2, GREEDY, None)
+        if lag <= MAX_JOINED_CATCH_UP:
+            assert calls == [(lag + 1, False), (1, False)]
+        else:
+            assert calls == [(lag, True), (1, False), (1, False)]
+        fresh = ModelDrafter(CachedSequence(FakeBackend(seed=7, noise=0.3), 0))
+        assert proposal.draft_tokens == fresh.propose(context, 2, GREEDY, None).draft_tokens
 
 
 def test_calibration_measures_the_fake_backends_costs_with_an_injected_clock():

@@ -20,9 +20,9 @@ The draft-free sources are learned for free: every round, what they would have p
 with the tokens the target then commits (a "shadow" proposal), so the policy knows how good they
 are without paying to verify them. The draft model is priced from its measured acceptance (its
 prior) and what it achieved in this request, and at what its proposals really take: each one is
-timed against the calibrated step and catch-up it was priced at (on a 2-core Zen 4 a draft round
-took 56 ms against a 13 ms step: logits copies, softmax, the catch-up's own kernel), and that
-ratio scales its price from then on; it is not probed where that price says it loses
+timed against the forwards and catch-up it was priced at (logits copies, softmax and the
+catch-up's own kernel are not in the calibrated step), and that ratio scales its price from then
+on; it is not probed where that price says it loses
 (probing it on a 2-core CPU cost more than it found). A model draft stops early when the draft's
 own confidence says the next token is no longer worth its cost: the threshold is the planned
 rate times that token's marginal cost, with the draft's confidence calibrated against what the
@@ -313,8 +313,10 @@ class AutoDrafter(Drafter):
             started = self.clock()
             proposal = self.model_drafter.propose(context, option.length, sampling, rng, prefix,
                                                   self._early_stop(option))
-            steps = len(proposal.draft_tokens) - option.prefix_length + (1 if option.prefix_length else 0)
-            self._observe_draft_seconds(self.clock() - started, steps * self.cost.draft_step_seconds + catch_up)
+            # Forwards made: the one over the last token (and prefix), whose logits give the first
+            # model token even when the draft stops before it, then one per further model token.
+            forwards = max(1, len(proposal.draft_tokens) - option.prefix_length)
+            self._observe_draft_seconds(self.clock() - started, forwards * self.cost.draft_step_seconds + catch_up)
             return Proposal(proposal.draft_tokens, proposal.draft_probs, option.source)
         return Proposal((), None, "off")
 

@@ -14,6 +14,9 @@ from specdec.types import Proposal, SamplingParams
 # keep_drafting(position, confidence) -> False ends the draft before `position` (0-based in the
 # proposal); confidence is the draft model's probability of its most likely token there.
 KeepDrafting = Callable[[int, float], bool]
+# Committed tokens the draft's cache lacks that are evaluated in one forward with the last token
+# (their logits are copied out too, so a longer lag goes through prompt processing instead).
+MAX_JOINED_CATCH_UP = 16
 
 
 class ModelDrafter(Drafter):
@@ -45,10 +48,14 @@ class ModelDrafter(Drafter):
         if k <= 0:
             return Proposal(())
         context = list(context)
-        # Catch up in full batches (after a rollback, or the prompt on first use); the last token
-        # (and any prefix) is evaluated separately because its logits start the draft.
-        self.sequence.prefill(context[:-1])
-        logits = self.sequence.extend([context[-1], *prefix])[-1]
+        # Catch up on what was committed since the last proposal in the same forward as the last
+        # token (and any prefix), whose logits start the draft: one call a round, not two. A long
+        # lag (the prompt, on first use) is processed in full batches without logits first.
+        lag = context[self.sequence.reuse_prefix(context[:-1]):-1]
+        if len(lag) > MAX_JOINED_CATCH_UP:
+            self.sequence.prefill(context[:-1])
+            lag = []
+        logits = self.sequence.extend([*lag, context[-1], *prefix])[-1]
         tokens: list[int] = list(prefix)
         probs: list[np.ndarray] = [] if sampling.greedy else [one_hot(t, logits.shape[-1]) for t in prefix]
         while len(tokens) < k:
