@@ -12,7 +12,8 @@ one-token steps, so they are a lossy opt-in (--inexact), not a default. Repacked
 (ik_llama.cpp:repacked, --repacked) are measured with `--configs all` but not chosen either: a
 one-token step there carries a padding row, and the chooser's estimate (a proposal at the assumed
 acceptance every round) prices that row as free, while measured on Spec-Bench `auto` on them
-decodes at 0.94x the stored layout's plain decoding (docs/benchmarks.md, "Repacked weights").
+decodes at 0.98-1.08x the stored layout's plain decoding and below plain one-row steps on the
+same weights (docs/benchmarks.md, "Repacked weights").
 
 Each calibration is also saved per setup (machine, models, backend options), so that `auto` in a
 one-off command starts from it instead of spending ~10 s calibrating again.

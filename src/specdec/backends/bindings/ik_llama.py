@@ -147,7 +147,8 @@ INEXACT_RULES = KernelRules(max_decode_rows=None, prefill_alignment=1, flash_att
 # own: after caches of 300 and 3000 tokens, calls of 2..64 rows give bit for bit the logits of
 # the same positions evaluated in 2-row calls, and prompts split as 64-aligned chunks, 8-row
 # chunks or 512 + rest give the same next-token logits. A single row runs a kernel of its own
-# (the minimums summed in another order: 8 rows up to 0.58 from 8 one-row steps), so no call holds fewer than 2 rows.
+# (the minimums summed in another order: 8 rows up to 0.58 from 8 one-row steps), so no call
+# holds fewer than 2 rows.
 # The repacked kernels are faster at every row count (Zen 4, 2 threads: 1 row 38 ms, 2 rows 46,
 # 4 rows 68 vs 41, 63, 92 as stored): a one-token step padded to 2 rows costs about what one row
 # as stored does, and the second row can carry a proposal for nothing. scripts/probe_ik_kernels.py.
