@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a virtual environment at .venv. Safe to run again.
-#   scripts/install.sh        specdec with ik_llama.cpp's wheel (the main job; SPECDEC_MAINLINE=1 adds mainline)
+#   scripts/install.sh        specdec with ik_llama.cpp (the main job; SPECDEC_MAINLINE=1 adds mainline)
 #   scripts/install.sh test   everything the tests use: both backends, torch's CPU build, Ray Serve, test tools
 #
-#   ik_llama.cpp   PyPI's prebuilt ik-llama-cpp-python wheel (x86_64, AVX2 kernels): seconds.
+#   ik_llama.cpp   ik-llama-cpp-python built from PyPI's sdist with specdec's one-row patch (x86_64,
+#                  AVX2 kernels, as PyPI's prebuilt wheel; 3.6 minutes on a 2-core Zen 4; cached).
 #   llama.cpp      llama-cpp-python built from source for this CPU with specdec's exactness switch
 #                  (about 6 minutes on a 2-core Zen 4, 11 on a Zen 3; the wheel is cached).
 #
@@ -21,6 +22,7 @@ LLAMA_CPP_PYTHON_VERSION=0.3.36
 IK_LLAMA_CPP_PYTHON_VERSION=0.1.5  # as pinned in pyproject.toml
 TORCH_VERSION=2.13.0  # as pinned in pyproject.toml's torch extra
 PATCH_LEVEL=1  # bump when scripts/patch_llama_cpp.sh changes
+IK_PATCH_LEVEL=1  # bump when scripts/patch_ik_llama_cpp.sh changes
 SPECDEC_HOME=${SPECDEC_HOME:-$HOME/.cache/specdec}
 
 if [ ! -x .venv/bin/python ]; then
@@ -33,9 +35,67 @@ has() { [[ " $cpu_flags " == *" $1 "* ]]; }
 ik_runs=false
 if [ "$(uname -m)" = x86_64 ] && has avx2 && has fma && has f16c; then ik_runs=true; fi
 
-# -- ik_llama.cpp: the prebuilt wheel -----------------------------------------------------------
+# specdec builds two packages from source with a patch each; a build's wheel is cached in a folder
+# named by package, version, patch level and CMake flags.
+build_dir() { echo "$SPECDEC_HOME/wheels/$1-$(printf '%s %s %s' "$2" "$3" "$4" | sha256sum | cut -c1-16)"; }
+
+# Whether PACKAGE==VERSION is installed as specdec's build: a library matching GLOB in MODULE's
+# lib/ holds MARKER, a string the patch adds.
+patched_build_installed() {
+  .venv/bin/python - "$@" <<'PY' 2>/dev/null
+import importlib, importlib.metadata as md, pathlib, sys
+package, version, module, pattern, marker = sys.argv[1:]
+assert md.version(package) == version
+lib = pathlib.Path(importlib.import_module(module).__file__).parent / "lib"
+assert any(marker.encode() in p.read_bytes() for p in lib.glob(pattern)), "unpatched build"
+PY
+}
+
+# -- ik_llama.cpp: built from its sdist with specdec's patch, else the prebuilt wheel -----------
+# The patch (scripts/patch_ik_llama_cpp.sh) makes one-row steps on repacked weights sum like
+# batched rows, so that the fastest plain decoding and batched verification agree bit for bit.
+# Built for the wheel's instruction set (AVX2, FMA, F16C: it runs wherever the wheel runs, so a
+# cached build moves between CPUs safely), without the flash-attention kernels for quantized KV
+# caches (specdec runs ik without flash attention). Where the build fails the prebuilt wheel is
+# installed (repacked one-row steps are then padded) and the main job does not try again until
+# $ik_wheel_dir/FAILED is removed; the tests insist on the build.
+ik_cmake_args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_IQK_FA_ALL_QUANTS=OFF -DCMAKE_INSTALL_RPATH=\$ORIGIN"
+ik_wheel_dir=$(build_dir ik-llama-cpp-python "$IK_LLAMA_CPP_PYTHON_VERSION" "$IK_PATCH_LEVEL" "$ik_cmake_args")
+ik_patched() {
+  patched_build_installed ik-llama-cpp-python "$IK_LLAMA_CPP_PYTHON_VERSION" ik_llama_cpp "libggml.so" specdec_one_row_exact
+}
+
+build_ik() {
+  echo "specdec: building ik_llama.cpp $IK_LLAMA_CPP_PYTHON_VERSION with specdec's patch (a few minutes, once)" >&2
+  local work
+  work=$(mktemp -d)
+  .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d "$work" "ik-llama-cpp-python==$IK_LLAMA_CPP_PYTHON_VERSION" &&
+    tar -xzf "$work"/ik_llama_cpp_python-*.tar.gz -C "$work" &&
+    bash scripts/patch_ik_llama_cpp.sh "$(ls -d "$work"/ik_llama_cpp_python-*/)" &&
+    mkdir -p "$ik_wheel_dir" &&
+    CMAKE_ARGS="$ik_cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+      .venv/bin/python -m pip wheel -q --no-deps --config-settings=build.targets=llama \
+      -w "$ik_wheel_dir" "$(ls -d "$work"/ik_llama_cpp_python-*/)"
+  local status=$?
+  rm -rf "$work"
+  [ $status = 0 ] || { mkdir -p "$ik_wheel_dir"; touch "$ik_wheel_dir/FAILED"; }
+  return $status
+}
+
 if $ik_runs; then
-  .venv/bin/python -m pip install -q "ik-llama-cpp-python==$IK_LLAMA_CPP_PYTHON_VERSION"
+  if ! ik_patched; then
+    if ls "$ik_wheel_dir"/ik_llama_cpp_python-*.whl >/dev/null 2>&1 ||
+       { { [ "$MODE" = test ] || [ ! -e "$ik_wheel_dir/FAILED" ]; } && build_ik; }; then
+      .venv/bin/python -m pip install -q --force-reinstall --no-deps "$ik_wheel_dir"/ik_llama_cpp_python-*.whl
+    fi
+    if ! ik_patched; then
+      [ "$MODE" = test ] && { echo "specdec: the patched ik_llama.cpp build failed; the tests need it" >&2; exit 1; }
+      echo "specdec: building ik_llama.cpp failed; using PyPI's wheel (repacked one-row steps padded;" \
+           "remove $ik_wheel_dir/FAILED to try again)" >&2
+      .venv/bin/python -m pip install -q --force-reinstall --no-deps "ik-llama-cpp-python==$IK_LLAMA_CPP_PYTHON_VERSION"
+    fi
+  fi
+  .venv/bin/python -m pip install -q "ik-llama-cpp-python==$IK_LLAMA_CPP_PYTHON_VERSION"  # its dependencies
 else
   echo "specdec: this CPU cannot run ik_llama.cpp's AVX2 wheel; using mainline llama.cpp" >&2
 fi
@@ -57,17 +117,9 @@ if has avx512f; then
   has avx512vbmi && cmake_args+=" -DGGML_AVX512_VBMI=ON"
   has avx512_bf16 && cmake_args+=" -DGGML_AVX512_BF16=ON"
 fi
-build_key=$(printf '%s %s %s' "$LLAMA_CPP_PYTHON_VERSION" "$PATCH_LEVEL" "$cmake_args" | sha256sum | cut -c1-16)
-wheel_dir="$SPECDEC_HOME/wheels/llama-cpp-python-$build_key"
-
+wheel_dir=$(build_dir llama-cpp-python "$LLAMA_CPP_PYTHON_VERSION" "$PATCH_LEVEL" "$cmake_args")
 llama_ok() {
-  .venv/bin/python - "$LLAMA_CPP_PYTHON_VERSION" <<'PY' 2>/dev/null
-import sys, pathlib, importlib.metadata as md
-assert md.version("llama-cpp-python") == sys.argv[1]
-import llama_cpp
-lib = pathlib.Path(llama_cpp.__file__).parent / "lib"
-assert any(b"GGML_CPU_FA_REFERENCE" in p.read_bytes() for p in lib.glob("libggml-cpu*.so*")), "unpatched build"
-PY
+  patched_build_installed llama-cpp-python "$LLAMA_CPP_PYTHON_VERSION" llama_cpp "libggml-cpu*.so*" GGML_CPU_FA_REFERENCE
 }
 
 if $want_mainline && ! llama_ok; then

@@ -202,7 +202,8 @@ def repacking(probe: Probe, repeats: int = 15):
     """Both models as stored and repacked: a step's time, and whether 8 batched rows give the
     logits of one-token steps (1-row calls) and of padded steps (each position in a 2-row call
     whose second row is dropped: what REPACKED_EXACT_RULES' min_rows makes of a step). For the
-    repacked target also calls of 2..64 rows against padded steps, after 300 and 3000 tokens."""
+    repacked target also calls of 2..64 rows against padded and one-row steps, after 300 and 3000
+    tokens (with scripts/patch_ik_llama_cpp.sh's build, both hold)."""
     from specdec.models.registry import DRAFT
 
     lib = probe.lib
@@ -242,11 +243,12 @@ def repacking(probe: Probe, repeats: int = 15):
                 for cache in (300, 3000):
                     probe.lib.seq_rm(ctx, -1, 0)
                     probe.prefill(ctx, 0, aligned(0, cache))
-                    reference = steps(cache, 64, 2)
-                    differences = {n: float(np.abs(batched(cache, n) - reference[:n]).max())
-                                   for n in [*range(2, 34), 48, 63, 64]}
-                    finding[f"rows_differing_from_padded_steps_after_{cache}"] = {
-                        n: round(difference, 3) for n, difference in differences.items() if difference}
+                    for name, rows_per_step in (("padded", 2), ("one_row", 1)):
+                        reference = steps(cache, 64, rows_per_step)
+                        differences = {n: float(np.abs(batched(cache, n) - reference[:n]).max())
+                                       for n in [*range(2, 34), 48, 63, 64]}
+                        finding[f"rows_differing_from_{name}_steps_after_{cache}"] = {
+                            n: round(difference, 3) for n, difference in differences.items() if difference}
             yield finding
             probe.model, probe.n_vocab = saved
             lib.free_context(ctx)

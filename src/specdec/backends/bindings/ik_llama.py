@@ -1,5 +1,5 @@
-"""The ik_llama.cpp binding: ctypes declarations against the libllama.so of PyPI's
-`ik-llama-cpp-python` wheel (pinned in pyproject.toml).
+"""The ik_llama.cpp binding: ctypes declarations against the libllama.so of `ik-llama-cpp-python`
+(pinned in pyproject.toml): specdec's build from its sdist (scripts/install.sh), or PyPI's wheel.
 
 That package's own Python layer is thin and lacks functions we need (llama_kv_cache_seq_rm among
 them), and ik_llama.cpp's structs differ from mainline's (more fields, other order), so the few
@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+from dataclasses import replace
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Optional
@@ -154,14 +155,21 @@ INEXACT_RULES = KernelRules(max_decode_rows=None, prefill_alignment=1, flash_att
 # as stored does, and the second row can carry a proposal for nothing. scripts/probe_ik_kernels.py.
 REPACKED_EXACT_RULES = KernelRules(max_decode_rows=64, prefill_alignment=64, max_prefill_rows=64, flash_attn=False,
                                    context_per_sequence=True, min_rows=2)
+# Built from source with scripts/patch_ik_llama_cpp.sh (its one-row kernels summing in the multi-row
+# order; the library exports ONE_ROW_EXACT_SYMBOL), 1..64 rows give the same logits: no padding.
+REPACKED_ONE_ROW_EXACT_RULES = replace(REPACKED_EXACT_RULES, min_rows=1)
+ONE_ROW_EXACT_SYMBOL = "specdec_one_row_exact"
 
 
-def library_dir() -> Optional[Path]:
-    """Where the wheel put libllama.so, or None when the package is not installed."""
+def library_path() -> Optional[Path]:
+    """The libllama.so to load: the package's own override (IK_LLAMA_CPP_LIB_PATH, an exact path),
+    else the one the wheel installed; None when the package is not installed."""
+    if os.environ.get("IK_LLAMA_CPP_LIB_PATH"):
+        return Path(os.environ["IK_LLAMA_CPP_LIB_PATH"])
     spec = find_spec("ik_llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         return None
-    return Path(next(iter(spec.submodule_search_locations))) / "lib"
+    return Path(next(iter(spec.submodule_search_locations))) / "lib" / "libllama.so"
 
 
 def cpu_runs_wheel() -> bool:
@@ -177,23 +185,23 @@ def cpu_runs_wheel() -> bool:
 
 def installed() -> bool:
     """The wheel is installed and this CPU can run it."""
-    directory = library_dir()
-    return directory is not None and (directory / "libllama.so").exists() and cpu_runs_wheel()
+    path = library_path()
+    return path is not None and path.exists() and cpu_runs_wheel()
 
 
 class IkLlamaBinding(LlamaBinding):
     name = "ik_llama.cpp"
 
     def __init__(self):
-        directory = library_dir()
-        if directory is None or not (directory / "libllama.so").exists():
+        path = library_path()
+        if path is None or not path.exists():
             raise SpecdecError(f"the ik_llama.cpp backend needs {PACKAGE}=={VERSION}: run `make install` "
-                               f"(or pip install {PACKAGE}=={VERSION}).")
+                               f"(or pip install {PACKAGE}=={VERSION}); no {path or 'libllama.so'}.")
         if not cpu_runs_wheel():
             raise SpecdecError("the ik_llama.cpp backend's wheel needs an x86-64 CPU with AVX2, FMA and F16C; "
                                "use --backend llama.cpp.")
         mode = os.RTLD_LOCAL | getattr(os, "RTLD_DEEPBIND", 0)
-        self._lib = ctypes.CDLL(str(directory / "libllama.so"), mode=mode)
+        self._lib = ctypes.CDLL(str(path), mode=mode)
         for name, (argtypes, restype) in FUNCTIONS.items():
             function = getattr(self._lib, name)
             function.argtypes, function.restype = argtypes, restype
@@ -204,10 +212,17 @@ class IkLlamaBinding(LlamaBinding):
 
     repacks = True
 
+    @property
+    def one_row_exact(self) -> bool:
+        """Whether this build's repacked one-row kernels sum like its multi-row ones (patched)."""
+        return hasattr(self._lib, ONE_ROW_EXACT_SYMBOL)
+
     def rules(self, exact: bool, repacked: bool = False) -> KernelRules:
         if not exact:
             return INEXACT_RULES
-        return REPACKED_EXACT_RULES if repacked else EXACT_RULES
+        if repacked:
+            return REPACKED_ONE_ROW_EXACT_RULES if self.one_row_exact else REPACKED_EXACT_RULES
+        return EXACT_RULES
 
     # -- models and contexts -----------------------------------------------------------------
     def load_model(self, path: Path, repack: bool = False):
