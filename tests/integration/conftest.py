@@ -18,7 +18,7 @@ LLAMA_FAMILY = ("ik_llama.cpp", "ik_llama.cpp:repacked", "llama.cpp")
 
 def default_label() -> str:
     """The configuration `make profile` chooses on these machines: with specdec's ik_llama.cpp build,
-    repacked weights (plain steps 1.24x the stored layout's, and exact at every row count)."""
+    repacked weights (plain decoding 1.23x the stored layout's on Spec-Bench, and exact at every row count)."""
     backend = default_backend()
     if backend == "ik_llama.cpp":
         from specdec.backends.bindings.ik_llama import binding
