@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Optional
 
 from specdec.backends.base import Backend
-from specdec.backends.registry import REGISTRY, BackendConfig, ModelConfig, backend_entry, default_backend
+from specdec.backends.registry import (INEXACT, REGISTRY, REPACKED, BackendConfig, ModelConfig, backend_entry,
+                                      default_backend)
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.models.registry import DRAFT, TARGET, ModelSpec, default_path
 from specdec.types import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS, SpecdecError
@@ -59,7 +60,8 @@ def backend_config(args: argparse.Namespace) -> BackendConfig:
         choice = saved_choice()
         if choice is not None:
             return replace(choice, exact=exact, repacked=choice.repacked or repacked)
-        return BackendConfig.parse(default_backend() + (":repacked" if repacked else "") + ("" if exact else ":inexact"))
+        return BackendConfig.parse(default_backend() + (f":{REPACKED}" if repacked else "")
+                                   + ("" if exact else f":{INEXACT}"))
     entry = backend_entry(args.backend)
     if repacked and not entry.repacks:
         raise SpecdecError(f"--repacked applies to ik_llama.cpp only, not {args.backend}.")

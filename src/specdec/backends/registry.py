@@ -153,7 +153,7 @@ def _installed(binding_module: str) -> Callable[[], bool]:
 IK_BINDING = "specdec.backends.bindings.ik_llama"
 MAINLINE_BINDING = "specdec.backends.bindings.llama_cpp_python"
 IK_LLAMA_CPP = register(BackendEntry(
-    "ik_llama.cpp", "ik_llama.cpp (PyPI ik-llama-cpp-python): CPU kernels whose batched rows cost little more than one",
+    "ik_llama.cpp", "ik_llama.cpp (ik-llama-cpp-python, built by specdec): CPU kernels whose batched rows cost little more than one",
     _installed(IK_BINDING), _llama_family(IK_BINDING), repacks=True))
 LLAMA_CPP = register(BackendEntry(
     "llama.cpp", "mainline llama.cpp (llama-cpp-python, built for this CPU)",

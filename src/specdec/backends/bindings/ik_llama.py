@@ -229,7 +229,7 @@ class IkLlamaBinding(LlamaBinding):
         params = self._lib.llama_model_default_params()
         params.n_gpu_layers = 0
         # Run-time repacking into row-interleaved types: the draft's step 13.2 ms instead of
-        # 19.9 ms on a 2-core Zen 4; exact only under REPACKED_EXACT_RULES.
+        # 19.9 ms on a 2-core Zen 4; exact only under rules(repacked=True).
         params.repack_tensors = repack
         return self._lib.llama_model_load_from_file(str(path).encode(), params)
 
