@@ -3,7 +3,7 @@
 #   scripts/install.sh        specdec with ik_llama.cpp (the main job; SPECDEC_MAINLINE=1 adds mainline)
 #   scripts/install.sh test   everything the tests use: both backends, torch's CPU build, Ray Serve, test tools
 #
-#   ik_llama.cpp   ik-llama-cpp-python built from PyPI's sdist with specdec's one-row patch (x86_64,
+#   ik_llama.cpp   ik-llama-cpp-python built from PyPI's sdist with specdec's patch (x86_64,
 #                  AVX2 kernels, as PyPI's prebuilt wheel; 3.6 minutes on a 2-core Zen 4; cached).
 #   llama.cpp      llama-cpp-python built from source for this CPU with specdec's exactness switch
 #                  (about 6 minutes on a 2-core Zen 4, 11 on a Zen 3; the wheel is cached).
@@ -22,7 +22,7 @@ LLAMA_CPP_PYTHON_VERSION=0.3.36
 IK_LLAMA_CPP_PYTHON_VERSION=0.1.5  # as pinned in pyproject.toml
 TORCH_VERSION=2.13.0  # as pinned in pyproject.toml's torch extra
 PATCH_LEVEL=1  # bump when scripts/patch_llama_cpp.sh changes
-IK_PATCH_LEVEL=1  # bump when scripts/patch_ik_llama_cpp.sh changes
+IK_PATCH_LEVEL=2  # bump when scripts/patch_ik_llama_cpp.sh changes
 SPECDEC_HOME=${SPECDEC_HOME:-$HOME/.cache/specdec}
 
 if [ ! -x .venv/bin/python ]; then
@@ -55,14 +55,15 @@ PY
 # The patch (scripts/patch_ik_llama_cpp.sh) makes one-row steps on repacked weights sum like
 # batched rows, so that the fastest plain decoding and batched verification agree bit for bit.
 # Built for the wheel's instruction set (AVX2, FMA, F16C: it runs wherever the wheel runs, so a
-# cached build moves between CPUs safely), without the flash-attention kernels for quantized KV
-# caches (specdec runs ik without flash attention). Where the build fails the prebuilt wheel is
-# installed (repacked one-row steps are then padded) and the main job does not try again until
-# $ik_wheel_dir/FAILED is removed; the tests insist on the build.
+# cached build moves between CPUs safely; an AVX-512 build measured no faster on a Zen 4,
+# docs/benchmarks.md), without the flash-attention kernels for quantized KV caches (specdec runs
+# ik without flash attention). Where the build fails the prebuilt wheel is installed (repacked
+# one-row steps are then padded) and the main job does not try again until $ik_wheel_dir/FAILED
+# is removed; the tests insist on the build.
 ik_cmake_args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_IQK_FA_ALL_QUANTS=OFF -DCMAKE_INSTALL_RPATH=\$ORIGIN"
 ik_wheel_dir=$(build_dir ik-llama-cpp-python "$IK_LLAMA_CPP_PYTHON_VERSION" "$IK_PATCH_LEVEL" "$ik_cmake_args")
-ik_patched() {
-  patched_build_installed ik-llama-cpp-python "$IK_LLAMA_CPP_PYTHON_VERSION" ik_llama_cpp "libggml.so" specdec_one_row_exact
+ik_patched() {  # the marker of the patch's newest part (an older build is rebuilt)
+  patched_build_installed ik-llama-cpp-python "$IK_LLAMA_CPP_PYTHON_VERSION" ik_llama_cpp "libllama.so" specdec_embeddings_one_row
 }
 
 build_ik() {

@@ -12,6 +12,11 @@
 # 2. The build. The package's CMakeLists also builds llama-quantize, whose `common` library
 #    needs a script the sdist lacks; specdec needs the libraries only, so quantize is dropped
 #    (install.sh builds the `llama` target, which brings ggml).
+# 3. Embeddings as input. A one-row llama_decode reads batch.token[0] to tell a warm-up call, even
+#    when the batch carries embeddings and no tokens (a null pointer: the process dies), so the
+#    check first asks whether there are tokens. The reduced-vocabulary draft (models/
+#    reduced_vocabulary.py) feeds embeddings, one row a step; the library exports
+#    `specdec_embeddings_one_row`, by which the binding knows it may.
 set -euo pipefail
 sdist=${1:?usage: patch_ik_llama_cpp.sh IK_LLAMA_CPP_PYTHON_SDIST_DIR}
 python3 - "$sdist" <<'PY'
@@ -22,6 +27,7 @@ from pathlib import Path
 sdist = Path(sys.argv[1])
 kquants = sdist / "vendor/ik_llama.cpp/ggml/src/iqk/iqk_gemm_kquants.cpp"
 cmakelists = sdist / "CMakeLists.txt"
+build_context = sdist / "vendor/ik_llama.cpp/src/llama-build-context.cpp"
 MARKER = 'extern "C" __attribute__((visibility("default"), used)) const char specdec_one_row_exact[] = "specdec_one_row_exact";\n'
 ONE_ROW, MULTI_ROW = "if constexpr (nrc_y == 1)", "if constexpr (false && nrc_y == 1)"
 # The functions whose one-row branches change the order of operations, and how many each has.
@@ -42,6 +48,17 @@ if MARKER not in text:
         text = text[:start] + body.replace(ONE_ROW, MULTI_ROW) + text[end:]
     kquants.write_text(text + "\n// specdec: one-row kernels take the multi-row order (scripts/patch_ik_llama_cpp.sh)\n"
                        + MARKER)
+
+EMBEDDINGS_MARKER = ('extern "C" __attribute__((visibility("default"), used)) '
+                     'const char specdec_embeddings_one_row[] = "specdec_embeddings_one_row";\n')
+WARMUP, WARMUP_GUARDED = "batch.n_tokens == 1 && (batch.token[0] ==", "batch.n_tokens == 1 && batch.token && (batch.token[0] =="
+text = build_context.read_text()
+if EMBEDDINGS_MARKER not in text:
+    if text.count(WARMUP) != 1:
+        sys.exit(f"patch_ik_llama_cpp.sh: the warm-up check not found once in {build_context}")
+    build_context.write_text(text.replace(WARMUP, WARMUP_GUARDED)
+                             + "\n// specdec: one-row decodes may carry embeddings (scripts/patch_ik_llama_cpp.sh)\n"
+                             + EMBEDDINGS_MARKER)
 
 text = cmakelists.read_text()
 for pattern in QUANTIZE:

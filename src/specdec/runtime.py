@@ -10,6 +10,7 @@ from specdec.backends.base import Backend
 from specdec.backends.registry import (INEXACT, REGISTRY, REPACKED, BackendConfig, ModelConfig, backend_entry,
                                       default_backend)
 from specdec.engine.engine import Engine, EngineConfig
+from specdec.models.reduced_vocabulary import ROW_MULTIPLE
 from specdec.models.registry import DRAFT, TARGET, ModelSpec, default_path
 from specdec.types import DEFAULT_METHOD, DEFAULT_NUM_DRAFT_TOKENS, METHODS, SpecdecError
 
@@ -30,6 +31,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-model", help="draft GGUF or, for torch, model folder "
                                              "(default: the pulled Qwen2.5-Coder-0.5B-Instruct Q4_K_M)")
     group.add_argument("--no-draft", action="store_true", help="load no draft model (methods off and ngram only)")
+    group.add_argument("--draft-vocabulary", type=int, default=ModelConfig.draft_vocabulary, metavar="N",
+                       help="the draft model scores only the N most frequent tokens, a cheaper step (ik_llama.cpp "
+                            "built by specdec; lossless: only proposals change); 0: all "
+                            f"(default {ModelConfig.draft_vocabulary})")
     group.add_argument("--ctx-size", type=int, default=4096, help="context length in tokens (default 4096)")
     group.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     group.add_argument("--repacked", action="store_true",
@@ -74,8 +79,12 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         raise SpecdecError("--ctx-size must be at least 16.")
     if args.threads is not None and args.threads < 1:
         raise SpecdecError("--threads must be at least 1.")
+    vocabulary = getattr(args, "draft_vocabulary", ModelConfig.draft_vocabulary)
+    if vocabulary < 0 or vocabulary % ROW_MULTIPLE:
+        raise SpecdecError(f"--draft-vocabulary must be 0 (all tokens) or a positive multiple of {ROW_MULTIPLE}.")
     return ModelConfig(backend=backend_config(args), target=args.model, draft=args.draft_model,
-                       load_draft=not args.no_draft, ctx_size=args.ctx_size, threads=args.threads)
+                       load_draft=not args.no_draft, ctx_size=args.ctx_size, threads=args.threads,
+                       draft_vocabulary=vocabulary)
 
 
 def resolve_model(path: Optional[str], spec: ModelSpec) -> Path:

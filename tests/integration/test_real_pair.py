@@ -72,6 +72,43 @@ def test_specdecs_ik_build_steps_repacked_weights_one_row_at_a_time(engines):
     assert engines("ik_llama.cpp:repacked").target.describe()["min_rows"] == 1
 
 
+def test_the_ik_draft_scores_a_reduced_vocabulary_with_the_full_drafts_numbers(engines):
+    """On specdec's ik build the draft scores the 32,768 most frequent tokens and the control tokens
+    (its own GGUF, fed embeddings): on those its logits are the full draft's bit for bit, the others
+    are -inf, and it keeps the full tokenizer (the greedy tests above run `draft` and `auto` with it)."""
+    if not backend_entry("ik_llama.cpp").installed():
+        pytest.skip("ik_llama.cpp is not installed")
+    from specdec.backends.bindings.ik_llama import binding
+    from specdec.backends.llama_family import LlamaFamilyBackend
+
+    engine_draft = engines("ik_llama.cpp:repacked").draft
+    assert engine_draft.describe()["vocabulary"] == 32768
+    vocabulary = engine_draft.vocabulary
+    # Loaded beside the engine's (whose caches its own generations track).
+    reduced = LlamaFamilyBackend(binding(), engine_draft.model_path, n_ctx=1024, proposals_only=True, vocabulary=vocabulary)
+    full = LlamaFamilyBackend(binding(), engine_draft.model_path, n_ctx=1024, proposals_only=True)
+    try:
+        assert (full.vocab_size, full.eog_token_ids) == (reduced.vocab_size, reduced.eog_token_ids)
+        scored = vocabulary.token_ids
+        assert set(full.tokenize("<|im_end|><|endoftext|>", add_special=False)) <= set(scored)  # control tokens
+        prompt = full.tokenize(next(p for c, p in EQUALITY_PROMPTS if c == "summarization"))[:300]
+        for backend in (full, reduced):
+            backend.eval(0, 0, prompt[:-1], prefill=True)
+        position, token = len(prompt) - 1, prompt[-1]
+        for _ in range(8):  # one-row steps
+            ours, theirs = reduced.eval(0, position, [token])[0], full.eval(0, position, [token])[0]
+            assert np.array_equal(ours[scored], theirs[scored])
+            assert np.isneginf(np.delete(ours, scored)).all()
+            position, token = position + 1, int(np.argmax(theirs))
+        for backend in (full, reduced):  # and a batched call over the last three positions again
+            backend.truncate(0, position - 3)
+        rows = prompt[:3]
+        assert np.array_equal(reduced.eval(0, position - 3, rows)[:, scored], full.eval(0, position - 3, rows)[:, scored])
+    finally:
+        reduced.close()
+        full.close()
+
+
 @pytest.mark.parametrize("context", ["short", "long"])
 def test_batched_logits_equal_one_step_logits_bit_for_bit(each_engine, context):
     """For every draft length 1..16 (verification evaluates 1 + k tokens), each position's batched

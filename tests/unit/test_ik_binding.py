@@ -132,6 +132,11 @@ install(
     RUNTIME DESTINATION ik_llama_cpp/bin
 )
 """
+# ik_llama.cpp's src/llama-build-context.cpp around its warm-up check, cut down.
+BUILD_CONTEXT = """ggml_cgraph * llm_build_context::build_qwen2() {
+    bool is_warming_up = lctx.n_eval == 0 && (batch.n_tokens == 1 && (batch.token[0] == ((bos != -1) ? bos : eos)));
+}
+"""
 
 
 def run_patch(sdist):
@@ -142,6 +147,9 @@ def test_the_patch_sends_one_row_down_the_multi_row_branch_and_builds_the_librar
     kquants = tmp_path / "vendor" / "ik_llama.cpp" / "ggml" / "src" / "iqk" / "iqk_gemm_kquants.cpp"
     kquants.parent.mkdir(parents=True)
     kquants.write_text(KQUANTS)
+    build_context = tmp_path / "vendor" / "ik_llama.cpp" / "src" / "llama-build-context.cpp"
+    build_context.parent.mkdir(parents=True)
+    build_context.write_text(BUILD_CONTEXT)
     cmakelists = tmp_path / "CMakeLists.txt"
     cmakelists.write_text(CMAKELISTS)
     assert run_patch(tmp_path).returncode == 0
@@ -149,11 +157,14 @@ def test_the_patch_sends_one_row_down_the_multi_row_branch_and_builds_the_librar
     assert patched.count("if constexpr (false && nrc_y == 1)") == 6
     assert "if constexpr (nrc_y == 1) { untouched(); }" in patched  # other kernels keep theirs
     assert patched.count(ik_llama.ONE_ROW_EXACT_SYMBOL) == 2  # the exported name and its value
+    warm_up = build_context.read_text()  # a one-row batch of embeddings has no batch.token to read
+    assert "batch.n_tokens == 1 && batch.token && (batch.token[0] ==" in warm_up
+    assert warm_up.count(ik_llama.EMBEDDINGS_ONE_ROW_SYMBOL) == 2
     build = cmakelists.read_text()
     assert "TARGETS llama ggml" in build
     assert not [line for line in build.splitlines() if "quantize" in line and not line.startswith("#")]
     assert run_patch(tmp_path).returncode == 0 and kquants.read_text() == patched  # idempotent
-    assert cmakelists.read_text() == build
+    assert cmakelists.read_text() == build and build_context.read_text() == warm_up
     kquants.write_text(KQUANTS.replace("if constexpr (nrc_y == 1) { one(); }", "{ one(); }", 1))  # another version
     failed = run_patch(tmp_path)
     assert failed.returncode != 0 and "one-row branches in inline void process_min_r4_b32(" in failed.stderr

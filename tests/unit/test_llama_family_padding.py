@@ -31,7 +31,7 @@ class ScriptedBinding(LlamaBinding):
     def rules(self, exact, repacked=False):
         return RULES if exact and repacked else KernelRules(max_decode_rows=None, prefill_alignment=1, flash_attn=False)
 
-    def load_model(self, path, repack=False):
+    def load_model(self, path, repack=False, vocab_only=False):
         self.loaded_repacked = repack
         return object()
 
@@ -67,7 +67,7 @@ class ScriptedBinding(LlamaBinding):
     def meta_val_str(self, model, key, buffer, size):
         return -1
 
-    def batch_init(self, capacity, n_seq_max):
+    def batch_init(self, capacity, n_seq_max, n_embd=0):
         return SimpleNamespace(token=[0] * capacity, pos=[0] * capacity, n_seq_id=[0] * capacity,
                                seq_id=[[0] for _ in range(capacity)], logits=[False] * capacity, n_tokens=0)
 

@@ -123,3 +123,10 @@ def test_models_list_runs(tmp_path):
     out = run_cli("models", "list", env_home=tmp_path)
     assert out.returncode == 0
     assert "missing" in out.stdout and "target" in out.stdout and "draft" in out.stdout
+
+
+def test_cli_draft_vocabulary_must_be_whole_row_groups(tmp_path):
+    out = run_cli("generate", "hi", "--draft-vocabulary", "1000", env_home=tmp_path)
+    assert out.returncode == 2
+    assert "--draft-vocabulary must be 0 (all tokens) or a positive multiple of 64" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from specdec.backends.bindings.base import ContextOptions, LlamaBinding
 from specdec.backends.chat_template import render_chat_template
 from specdec.backends.decode_plan import plan_calls
 from specdec.types import SpecdecError
+
+if TYPE_CHECKING:
+    from specdec.models.reduced_vocabulary import ReducedVocabulary
 
 MIN_BATCH_CAPACITY = 64
 
@@ -38,6 +41,7 @@ class LlamaFamilyBackend(Backend):
         exact: bool = True,
         proposals_only: bool = False,
         repack: bool = False,
+        vocabulary: Optional["ReducedVocabulary"] = None,
     ):
         path = Path(model_path)
         check_gguf_file(path)
@@ -57,19 +61,31 @@ class LlamaFamilyBackend(Backend):
         # A draft model's logits only choose what is proposed, never what is accepted: it may run
         # on faster weight layouts whose batched numbers are not exact.
         self.proposals_only = proposals_only
-        self._model = binding.load_model(path, repack=repack or proposals_only)
-        if not self._model:
+        # A draft may score only a reduced vocabulary (models/reduced_vocabulary.py): its weights
+        # come from the derived file, fed embeddings; its tokenizer stays the original's.
+        if vocabulary is not None and not (proposals_only and binding.embeddings_one_row):
+            raise SpecdecError(f"a reduced vocabulary is for draft models on a library that takes embeddings ({self.name}).")
+        self.vocabulary = vocabulary
+        self._vocab_model = None
+        self._model = binding.load_model(vocabulary.model_path if vocabulary else path,
+                                         repack=repack or proposals_only)
+        if vocabulary is not None and self._model:
+            self._vocab_model = binding.load_model(path, vocab_only=True)
+        if not self._model or (vocabulary is not None and not self._vocab_model):
+            self.close()
             raise SpecdecError(f"{self.name} could not load {path}: the file is corrupt or not a supported GGUF model.")
         try:
             self._open_contexts(n_ctx, n_batch)
         except BaseException:
             self.close()
             raise
-        self._vocab = binding.vocab(self._model)
+        self._vocab = binding.vocab(self._vocab_model or self._model)
         self.vocab_size = binding.n_vocab(self._vocab)
+        self._logits_width = len(vocabulary.token_ids) if vocabulary else self.vocab_size
         self.eog_token_ids = frozenset(t for t in range(self.vocab_size) if binding.is_eog(self._vocab, t))
         self._batch_capacity = max(n_batch, MIN_BATCH_CAPACITY)
-        self._batch = binding.batch_init(self._batch_capacity, max(1, max_sequences))
+        self._batch = binding.batch_init(self._batch_capacity, max(1, max_sequences),
+                                         vocabulary.n_embd if vocabulary else 0)
         self._pieces: dict[int, bytes] = {}
         self._chat_template = self.metadata("tokenizer.chat_template")
         self._lock = threading.Lock()  # one llama_decode at a time on this backend's contexts
@@ -102,7 +118,7 @@ class LlamaFamilyBackend(Backend):
         size = 1 << 16
         while True:
             buf = ctypes.create_string_buffer(size)
-            n = self._binding.meta_val_str(self._model, key.encode(), buf, size)
+            n = self._binding.meta_val_str(self._vocab_model or self._model, key.encode(), buf, size)
             if n < 0:
                 return None
             if n < size:
@@ -158,8 +174,12 @@ class LlamaFamilyBackend(Backend):
         with self._lock:
             for call in plan_calls(requests, prefill=prefill, rules=self.rules, capacity=self._batch_capacity):
                 ctx = self._context_of(call[0].seq_id)[0]
+                if self.vocabulary is not None:
+                    embeddings = self.vocabulary.embeddings([row.token for row in call])
+                    ctypes.memmove(batch.embd, embeddings.ctypes.data, embeddings.nbytes)
                 for i, row in enumerate(call):
-                    batch.token[i] = row.token
+                    if self.vocabulary is None:
+                        batch.token[i] = row.token
                     batch.pos[i] = row.position
                     batch.n_seq_id[i] = 1
                     batch.seq_id[i][0] = self._context_of(row.seq_id)[1]
@@ -177,8 +197,8 @@ class LlamaFamilyBackend(Backend):
                 for i, row in enumerate(call):
                     if row.pad:
                         continue
-                    logits = binding.logits_ith(ctx, i)
-                    outputs[row.request].append(np.ctypeslib.as_array(logits, shape=(self.vocab_size,)).copy())
+                    logits = np.ctypeslib.as_array(binding.logits_ith(ctx, i), shape=(self._logits_width,))
+                    outputs[row.request].append(self.vocabulary.full_logits(logits) if self.vocabulary else logits.copy())
         empty = np.zeros((0, self.vocab_size), dtype=np.float32)
         return [np.stack(rows) if rows else empty for rows in outputs]
 
@@ -199,6 +219,7 @@ class LlamaFamilyBackend(Backend):
             "min_rows": self.rules.min_rows,
             "repacked": self.repacked,
             "proposals_only": self.proposals_only,
+            "vocabulary": len(self.vocabulary.token_ids) if self.vocabulary else self.vocab_size,
         }
 
     def close(self) -> None:
@@ -208,9 +229,10 @@ class LlamaFamilyBackend(Backend):
             self._batch = None
         while self._contexts:
             binding.free_context(self._contexts.pop())
-        if self._model:
-            binding.free_model(self._model)
-            self._model = None
+        for model in ("_model", "_vocab_model"):
+            if getattr(self, model, None):
+                binding.free_model(getattr(self, model))
+                setattr(self, model, None)
 
     def __del__(self):
         try:

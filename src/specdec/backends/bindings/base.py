@@ -70,10 +70,15 @@ class LlamaBinding(ABC):
     # interleaved types); mainline repacks Q4_K in every mode, so it has no separate choice.
     repacks: bool = False
 
+    # Whether a one-row llama_decode may carry embeddings instead of tokens (the reduced-vocabulary
+    # draft's input, models/reduced_vocabulary.py).
+    embeddings_one_row: bool = False
+
     @abstractmethod
-    def load_model(self, path: Path, repack: bool = False):
+    def load_model(self, path: Path, repack: bool = False, vocab_only: bool = False):
         """A loaded model, or a false value when the library refused the file. `repack`: lay the
-        weights out for the library's fastest kernels, whose rules(repacked=True) then apply."""
+        weights out for the library's fastest kernels, whose rules(repacked=True) then apply;
+        `vocab_only`: the tokenizer and metadata, no weights."""
 
     @abstractmethod
     def free_model(self, model) -> None: ...
@@ -111,9 +116,10 @@ class LlamaBinding(ABC):
         """A GGUF metadata value into a char buffer; its length, or < 0 when the key is absent."""
         return self._lib.llama_model_meta_val_str(model, key, buffer, size)
 
-    def batch_init(self, capacity: int, n_seq_max: int):
-        """A llama_batch with token, pos, n_seq_id, seq_id and logits arrays of `capacity` rows."""
-        return self._lib.llama_batch_init(capacity, 0, n_seq_max)
+    def batch_init(self, capacity: int, n_seq_max: int, n_embd: int = 0):
+        """A llama_batch with token (or, n_embd > 0, embd: n_embd floats a row), pos, n_seq_id, seq_id
+        and logits arrays of `capacity` rows."""
+        return self._lib.llama_batch_init(capacity, n_embd, n_seq_max)
 
     def batch_free(self, batch) -> None:
         self._lib.llama_batch_free(batch)

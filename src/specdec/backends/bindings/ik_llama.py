@@ -159,6 +159,8 @@ REPACKED_EXACT_RULES = KernelRules(max_decode_rows=64, prefill_alignment=64, max
 # order; the library exports ONE_ROW_EXACT_SYMBOL), 1..64 rows give the same logits: no padding.
 REPACKED_ONE_ROW_EXACT_RULES = replace(REPACKED_EXACT_RULES, min_rows=1)
 ONE_ROW_EXACT_SYMBOL = "specdec_one_row_exact"
+# Exported by the same build where a one-row call may carry embeddings (unpatched, it dies).
+EMBEDDINGS_ONE_ROW_SYMBOL = "specdec_embeddings_one_row"
 
 
 def library_path() -> Optional[Path]:
@@ -217,6 +219,10 @@ class IkLlamaBinding(LlamaBinding):
         """Whether this build's repacked one-row kernels sum like its multi-row ones (patched)."""
         return hasattr(self._lib, ONE_ROW_EXACT_SYMBOL)
 
+    @property
+    def embeddings_one_row(self) -> bool:
+        return hasattr(self._lib, EMBEDDINGS_ONE_ROW_SYMBOL)
+
     def rules(self, exact: bool, repacked: bool = False) -> KernelRules:
         if not exact:
             return INEXACT_RULES
@@ -225,9 +231,10 @@ class IkLlamaBinding(LlamaBinding):
         return EXACT_RULES
 
     # -- models and contexts -----------------------------------------------------------------
-    def load_model(self, path: Path, repack: bool = False):
+    def load_model(self, path: Path, repack: bool = False, vocab_only: bool = False):
         params = self._lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.vocab_only = vocab_only
         # Run-time repacking into row-interleaved types: the draft's step 13.2 ms instead of
         # 19.9 ms on a 2-core Zen 4; exact only under rules(repacked=True).
         params.repack_tensors = repack

@@ -62,9 +62,10 @@ class LlamaCppPythonBinding(LlamaBinding):
         return EXACT_RULES if exact else INEXACT_RULES
 
     # -- models and contexts -----------------------------------------------------------------
-    def load_model(self, path: Path, repack: bool = False):  # mainline repacks Q4_K in every mode
+    def load_model(self, path: Path, repack: bool = False, vocab_only: bool = False):  # mainline repacks Q4_K in every mode
         params = self._lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.vocab_only = vocab_only
         return self._lib.llama_model_load_from_file(str(path).encode(), params)
 
     def free_model(self, model) -> None:
