@@ -100,7 +100,7 @@ def test_the_ik_draft_scores_a_reduced_vocabulary_with_the_full_drafts_numbers(e
             assert np.array_equal(ours[scored], theirs[scored])
             assert np.isneginf(np.delete(ours, scored)).all()
             position, token = position + 1, int(np.argmax(theirs))
-        for backend in (full, reduced):  # and a batched call over the last three positions again
+        for backend in (full, reduced):  # and one call of three rows at the last three positions
             backend.truncate(0, position - 3)
         rows = prompt[:3]
         assert np.array_equal(reduced.eval(0, position - 3, rows)[:, scored], full.eval(0, position - 3, rows)[:, scored])
