@@ -74,7 +74,6 @@ class ReducedVocabulary:
     """A derived draft (model_path) scoring token_ids, fed embeddings of the source's tokens."""
 
     model_path: Path
-    source_path: Path  # the original draft: its tokenizer and chat template
     token_ids: np.ndarray  # int64, sorted: logits row i of the derived model is token token_ids[i]
     embedding_rows: np.ndarray  # the source's token_embd, quantized bytes, one row per token
     embedding_type: int  # its GGML quantization type
@@ -120,7 +119,7 @@ def prepare(source: str | Path, cache_dir: Path, size: int) -> Optional[ReducedV
     if meta.get("ranking") is None:
         return None
     return ReducedVocabulary(
-        model_path=folder / "model.gguf", source_path=source,
+        model_path=folder / "model.gguf",
         token_ids=np.load(folder / "token_ids.npy"),
         embedding_rows=np.load(folder / "token_embd.npy", mmap_mode="r"),
         embedding_type=meta["embedding_type"], full_vocab_size=meta["full_vocab_size"])
@@ -154,7 +153,6 @@ def derive(source: Path, folder: Path, size: int) -> bool:
         writer.add_key_value(key, field.contents(), field.types[0], sub_type)
     writer.add_string("tokenizer.ggml.model", "no_vocab")  # so n_vocab comes from vocab_size
     writer.add_uint32(f"{arch}.vocab_size", len(token_ids))
-    names = {tensor.name for tensor in reader.tensors}
     for tensor in reader.tensors:
         data = np.asarray(tensor.data)
         if tensor.name in ("output.weight", "token_embd.weight"):
@@ -171,8 +169,7 @@ def derive(source: Path, folder: Path, size: int) -> bool:
     np.save(partial / "token_embd.npy", np.asarray(embedding.data).reshape(vocab_size, -1))
     (partial / "meta.json").write_text(json.dumps({
         "ranking": ranking_file.name, "size": len(token_ids), "full_vocab_size": vocab_size,
-        "embedding_type": int(embedding.tensor_type), "tied_output": "output.weight" not in names,
-        "source": str(source)}))
+        "embedding_type": int(embedding.tensor_type), "source": str(source)}))
     _publish(partial, folder)
     return True
 
