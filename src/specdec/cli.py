@@ -85,10 +85,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure each configuration's cost model (what `auto` prices its proposals with), one loaded
-    at a time; print one JSON line per configuration, then a table and the exact one to default to."""
+    at a time, in rounds; print one JSON line per configuration, then a table and the exact one to
+    default to."""
     from specdec import runtime
-    from specdec.machine_profile import choose, format_table, measure_config, parse_configs, save_profile, saved_choice
+    from specdec.machine_profile import choose, format_table, measure_configs, parse_configs, save_profile, saved_choice
 
+    if args.rounds is not None and args.rounds < 1:
+        raise SpecdecError("--rounds must be at least 1.")
     if args.if_missing:
         current = saved_choice()
         if current is not None:
@@ -101,10 +104,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         print("specdec calibrate: fewer than two exact configurations installed; nothing to choose between",
               file=sys.stderr)
         return 0
-    entries = []
-    for config in configs:
-        entries.append(measure_config(models, config, runtime.load_engine))
-        print(json.dumps(entries[-1]), flush=True)
+    rounds = args.rounds or (3 if len(configs) > 1 else 1)
+    entries = measure_configs(models, configs, runtime.load_engine, rounds,
+                              progress=lambda line: print(f"specdec calibrate: {line}", file=sys.stderr, flush=True))
+    for entry in entries:
+        print(json.dumps(entry), flush=True)
     measured = [entry for entry in entries if "error" not in entry]
     if not measured:
         raise SpecdecError("; ".join(f"{entry['config']}: {entry['error']}" for entry in entries))
@@ -170,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--if-missing", action="store_true",
                            help="do nothing if this machine already has a profile measured with this specdec version, "
                                 "or if there is only one exact configuration to choose from (make serve uses it)")
+    calibrate.add_argument("--rounds", type=int, default=None,
+                           help="calibrations per configuration, taken in turn, medians kept (default 3 when "
+                                "comparing configurations, else 1): a VM's speed drifts between calibrations")
     add_model_arguments(calibrate)
     calibrate.set_defaults(handler=_cmd_calibrate)
 

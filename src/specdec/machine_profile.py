@@ -110,20 +110,43 @@ def profile_entry(config: BackendConfig, cost: CostModel, target: Optional[dict]
     }
 
 
-def measure_config(models: ModelConfig, config: BackendConfig, load_engine: Callable) -> dict:
-    """Load one configuration, calibrate it and close it, so that only one is in memory at a time.
-    A configuration that cannot load is reported as such, not fatal to the others."""
-    try:
-        engine = load_engine(models.with_backend(config))
-    except SpecdecError as exc:
-        return {"config": config.label, "backend": config.backend, "dtype": config.dtype, "exact": config.exact,
-                "error": str(exc)}
-    try:
-        cost = engine.calibrate()
-        save_cost_model_quietly(engine, cost)  # `auto` in later commands starts from it
-        return profile_entry(config, cost, engine.target.describe())
-    finally:
-        engine.close()
+def measure_configs(models: ModelConfig, configs: list[BackendConfig], load_engine: Callable, rounds: int = 1,
+                    progress: Callable[[str], None] = lambda line: None) -> list[dict]:
+    """Each configuration's entry, from the median of `rounds` calibrations taken in turn (the order
+    reversed every other round), each loaded, calibrated and closed, so that only one is in memory
+    at a time. On a VM whose speed drifts by 20 % within minutes, one calibration each compared the
+    drift rather than the configurations (a fresh machine chose the stored layout, whose plain
+    decoding measured 0.81x the repacked one's side by side). A configuration that cannot load is
+    reported as such, not fatal to the others."""
+    costs: dict[BackendConfig, list[CostModel]] = {config: [] for config in configs}
+    setups: dict[BackendConfig, tuple[str, dict]] = {}  # the setup key and target description
+    errors: dict[BackendConfig, str] = {}
+    for round_ in range(rounds):
+        for config in (configs if round_ % 2 == 0 else configs[::-1]):
+            if config in errors:
+                continue
+            try:
+                engine = load_engine(models.with_backend(config))
+            except SpecdecError as exc:
+                errors[config] = str(exc)
+                continue
+            try:
+                costs[config].append(engine.calibrate())
+                setups[config] = (setup_key(engine), engine.target.describe())
+            finally:
+                engine.close()
+            progress(f"round {round_ + 1}/{rounds}, {config.label}: {costs[config][-1].summary()}")
+    entries = []
+    for config in configs:
+        if config in errors:
+            entries.append({"config": config.label, "backend": config.backend, "dtype": config.dtype,
+                            "exact": config.exact, "error": errors[config]})
+            continue
+        cost = CostModel.median_of(costs[config])
+        key, target = setups[config]
+        save_cost_model_quietly(key, cost)  # `auto` in later commands starts from it
+        entries.append(profile_entry(config, cost, target))
+    return entries
 
 
 def choose(entries: list[dict]) -> Optional[str]:
@@ -275,8 +298,12 @@ def saved_cost_model(engine, path: Optional[Path] = None) -> Optional[CostModel]
 
 
 def save_cost_model(engine, cost: CostModel, path: Optional[Path] = None) -> Path:
+    return store_cost_model(setup_key(engine), cost, path)
+
+
+def store_cost_model(key: str, cost: CostModel, path: Optional[Path] = None) -> Path:
+    """Save `cost` for the setup whose setup_key is `key`."""
     path = path or cost_models_path()
-    key = setup_key(engine)
     setups = {k: v for k, v in _saved_cost_models(path).items() if k != key}
     setups[key] = {"measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    "summary": cost.summary(), "cost_model": cost.to_json()}
@@ -291,12 +318,12 @@ def load_or_calibrate(engine, path: Optional[Path] = None) -> tuple[CostModel, b
     if saved is not None:
         return engine.use_cost_model(saved), False
     cost = engine.calibrate()
-    save_cost_model_quietly(engine, cost, path)
+    save_cost_model_quietly(setup_key(engine), cost, path)
     return cost, True
 
 
-def save_cost_model_quietly(engine, cost: CostModel, path: Optional[Path] = None) -> None:
+def save_cost_model_quietly(key: str, cost: CostModel, path: Optional[Path] = None) -> None:
     try:
-        save_cost_model(engine, cost, path)
+        store_cost_model(key, cost, path)
     except OSError as exc:  # a read-only cache costs a calibration next time, nothing else
         print(f"specdec: could not save the cost model ({exc}); the next command calibrates again", file=sys.stderr)

@@ -8,7 +8,7 @@ from fakes.clock import FakeClock
 from specdec.backends.fake import FakeBackend
 from specdec.drafters.auto import (NGRAM_PRIORS, AcceptanceEstimate, AutoDrafter, EvidenceEstimate, Offer, Option,
                                    expected_tokens, match_bucket)
-from specdec.drafters.model import MAX_JOINED_CATCH_UP, ModelDrafter
+from specdec.drafters.model import MAX_JOINED_CATCH_UP, Extent, ModelDrafter
 from specdec.drafters.suffix import Evidence
 from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
@@ -175,19 +175,51 @@ def test_prices_but_never_probes_a_draft_model_that_its_acceptance_says_loses():
 def test_model_draft_stops_early_when_its_confidence_no_longer_pays():
     target = FakeBackend(seed=7)
     draft = FakeBackend(seed=7, noise=0.3)
+    forwards = []
+    evaluate = draft.eval
+    draft.eval = lambda seq_id, start, tokens, prefill=False: forwards.append(len(tokens)) or \
+        evaluate(seq_id, start, tokens, prefill=prefill)
     drafter = ModelDrafter(CachedSequence(draft, 0))
     context = target.tokenize("the cat sat on the mat", add_special=False)
     full = drafter.propose(context, 6, GREEDY, None)
-    asked = []
-    stopped = drafter.propose(context, 6, GREEDY, None, keep_drafting=lambda i, c: asked.append(c) or i < 2)
-    assert stopped.draft_tokens == full.draft_tokens[:2]
-    assert len(asked) == 3 and all(0.0 < c <= 1.0 for c in asked)
+    # (what keep_drafting answers at positions 0, 1, ...) -> tokens proposed, draft forwards run
+    for extents, tokens, expected_forwards in (((Extent.STOP,), 0, 1), ((Extent.LAST,), 1, 1),
+                                                ((Extent.MORE, Extent.STOP), 1, 2),
+                                                ((Extent.MORE, Extent.MORE, Extent.LAST), 3, 3)):
+        asked = []
+        forwards.clear()
+
+        def keep_drafting(position, confidence):
+            asked.append(confidence)
+            return extents[position]
+
+        stopped = drafter.propose(context, 6, GREEDY, None, keep_drafting=keep_drafting)
+        assert stopped.draft_tokens == full.draft_tokens[:tokens]
+        assert len(asked) == len(extents) and all(0.0 < c <= 1.0 for c in asked)
+        assert len(forwards) == expected_forwards  # LAST proposes its token without running the draft further
 
     # The policy's threshold: near-free verification keeps drafting, costly verification stops.
-    for cost, expect_long in ((flat_costs(draft_step=0.001), True), (linear_costs(per_token=0.05), False)):
+    for cost, expected in ((flat_costs(draft_step=0.001), Extent.MORE), (linear_costs(per_token=0.05), Extent.STOP)):
         auto = AutoDrafter(cost, drafter)
         keep = auto._early_stop(Option("draft", 6, 1.0 / cost.target(1)))
-        assert keep(1, 0.9) is expect_long
+        assert keep(1, 0.9) is expected
+
+
+def test_the_draft_step_already_paid_is_not_charged_to_its_token():
+    """Rows of 5 ms, a draft step of 30 ms, t(1) 50 ms, a plan of 20 tok/s, draft acceptance 0.8:
+    a token the draft is 40 % sure of pays its 5 ms row (0.4 > 20 x 0.005 = 0.1), so it is
+    proposed, but a further draft step does not pay (0.4 x 0.8 = 0.32 < 20 x 0.035 = 0.7); a
+    token it is 95 % sure of is worth drafting past (0.76 > 0.7)."""
+    cost = CostModel({n: 0.050 + 0.005 * (n - 1) for n in range(1, 9)}, 0.030)
+    auto = drafter_with(cost, ngram_rate=0.0, draft_rate=0.8)
+    auto.draft_forwards = 0
+    keep = auto._early_stop(Option("draft", 4, 20.0))
+    assert keep(0, 0.4) is Extent.LAST and auto.draft_forwards == 1
+    keep = auto._early_stop(Option("draft", 4, 20.0))
+    assert keep(0, 0.95) is Extent.MORE and auto.draft_forwards == 2
+    assert keep(1, 0.05) is Extent.STOP  # 0.95 x 0.05 < 0.1: not even its row
+    keep = auto._early_stop(Option("draft", 1, 20.0))
+    assert keep(0, 0.95) is Extent.LAST  # a one-token plan never runs the draft further
 
 
 def test_model_draft_catches_up_in_the_forward_that_starts_it():
@@ -321,6 +353,23 @@ def test_the_draft_models_catch_up_is_priced():
         model.sequence = LaggingDraftSequence(held)
         cost = CostModel({n: 0.050 * (1 + 0.02 * (n - 1)) for n in range(1, 9)}, 0.005, 0.010)
         drafter = drafter_with(cost, ngram_rate=0.0, draft_rate=0.9, model=model)
+        proposal = drafter.propose(context, 4, GREEDY, None)
+        assert (proposal.source == "draft") is expect_draft
+
+
+def test_a_backlog_left_by_rounds_without_the_draft_is_an_investment_but_a_rounds_catch_up_is_not():
+    """t(5) 54 ms, a 5 ms draft step, acceptance 0.9: four drafted tokens yield 4.1 tokens for
+    74 ms plus the catch-up, so the draft pays while the catch-up is under 126 ms. A backlog of 40
+    tokens at 10 ms each (after rounds without the draft) is spread over CATCH_UP_HORIZON rounds
+    beyond the k + 1 = 5 a round commits (50 + 35 x 10 / 32 ms): still drafted. The 5 tokens one
+    round commits, at 30 ms each (150 ms), are charged in full: not drafted."""
+    context = list(range(1000))
+    for held, prefill_seconds, expect_draft in ((959, 0.010, True), (994, 0.030, False)):
+        model = StubModelDrafter()
+        model.sequence = LaggingDraftSequence(held)
+        cost = CostModel({n: 0.050 * (1 + 0.02 * (n - 1)) for n in range(1, 9)}, 0.005, prefill_seconds)
+        drafter = drafter_with(cost, ngram_rate=0.0, draft_rate=0.9, model=model)
+        drafter._draft_used = True  # the draft has proposed in this request before
         proposal = drafter.propose(context, 4, GREEDY, None)
         assert (proposal.source == "draft") is expect_draft
 

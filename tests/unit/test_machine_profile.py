@@ -121,15 +121,17 @@ FAKE_COSTS = {"llama.cpp": (0.005, 0.045), "llama.cpp:inexact": (0.045, 0.005), 
 @pytest.fixture
 def fake_engines(monkeypatch):
     """runtime.load_engine on fake backends whose forwards cost FAKE_COSTS on a fake clock;
-    records the configurations loaded and how many engines were open at once."""
-    loaded, open_now, most_open = [], [0], [0]
+    records the configurations loaded and how many engines were open at once. Append factors to
+    `slowdowns` to make the next loads that much slower (a VM's drift)."""
+    loaded, open_now, most_open, slowdowns = [], [0], [0], []
 
     def load_engine(models, n_slots=1):
         label = models.backend.label
         if label not in FAKE_COSTS:
             raise SpecdecError(f"{label} is not installed here")
         clock = FakeClock()
-        step, per_token = FAKE_COSTS[label]
+        slowdown = slowdowns.pop(0) if slowdowns else 1.0
+        step, per_token = (cost * slowdown for cost in FAKE_COSTS[label])
         engine = Engine(FakeBackend(seed=7, clock=clock, step_cost=step, token_cost=per_token),
                         FakeBackend(seed=7, noise=0.5, clock=clock, step_cost=0.004, token_cost=0.001), clock=clock)
         close = engine.close
@@ -145,14 +147,15 @@ def fake_engines(monkeypatch):
         return engine
 
     monkeypatch.setattr(runtime, "load_engine", load_engine)
-    return loaded, most_open
+    return loaded, most_open, slowdowns
 
 
 def test_calibrate_measures_each_configuration_in_turn_prints_a_table_and_saves_the_choice(fake_engines, capsys):
-    loaded, most_open = fake_engines
+    loaded, most_open, _ = fake_engines
     configs = "llama.cpp,llama.cpp:inexact,torch:float32,torch:bfloat16"
     assert main(["calibrate", "--configs", configs, "--save"]) == 0
-    assert loaded == ["llama.cpp", "llama.cpp:inexact", "torch:float32"] and most_open[0] == 1
+    in_turn = ["llama.cpp", "llama.cpp:inexact", "torch:float32"]  # three rounds, the second in reverse
+    assert loaded == in_turn + in_turn[::-1] + in_turn and most_open[0] == 1
     out = capsys.readouterr().out
     entries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [e["config"] for e in entries] == configs.split(",")
@@ -177,9 +180,24 @@ def test_calibrate_measures_each_configuration_in_turn_prints_a_table_and_saves_
     assert [e["config"] for e in profile["configs"]] == configs.split(",")
 
 
+def test_calibrate_keeps_the_median_of_its_rounds_so_a_slow_moment_does_not_decide(fake_engines, capsys):
+    loaded, _, slowdowns = fake_engines
+    slowdowns += [1.5]  # the first calibration runs while the machine is 1.5x slower
+    assert main(["calibrate", "--configs", "llama.cpp,torch:float32"]) == 0
+    assert loaded == ["llama.cpp", "torch:float32", "torch:float32", "llama.cpp", "llama.cpp", "torch:float32"]
+    entries = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert entries[0]["target_step_seconds"] == pytest.approx(0.050)  # not 0.075
+    slowdowns += [1.5]
+    assert main(["calibrate", "--configs", "llama.cpp,torch:float32", "--rounds", "1"]) == 0
+    entries = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert entries[0]["target_step_seconds"] == pytest.approx(0.075)
+    assert main(["calibrate", "--rounds", "0"]) == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
 def test_calibrate_without_configs_measures_the_named_one_and_fails_in_one_line_if_it_cannot(fake_engines, capsys,
                                                                                             monkeypatch):
-    loaded, _ = fake_engines
+    loaded, _, _ = fake_engines
     only_installed(monkeypatch, "llama.cpp", "torch")
     assert main(["calibrate", "--backend", "llama.cpp", "--inexact"]) == 0
     assert loaded == ["llama.cpp:inexact"]
@@ -191,17 +209,18 @@ def test_calibrate_without_configs_measures_the_named_one_and_fails_in_one_line_
 
 
 def test_calibrate_if_missing_measures_the_exact_configurations_once_per_machine(fake_engines, monkeypatch, capsys):
-    loaded, _ = fake_engines
+    loaded, _, _ = fake_engines
     only_installed(monkeypatch, "llama.cpp", "torch")
     command = ["calibrate", "--configs", "exact", "--save", "--if-missing"]
     assert main(command) == 0
-    assert loaded == ["llama.cpp", "torch:float32"]  # torch:bfloat16 is measured too, and fails to load
+    assert set(loaded) == {"llama.cpp", "torch:float32"}  # torch:bfloat16 is measured too, and fails to load
     assert saved_choice() == BackendConfig("torch", "float32")
-    assert main(command) == 0 and len(loaded) == 2
+    measured = len(loaded)
+    assert main(command) == 0 and len(loaded) == measured
     assert "profile is current (default torch:float32)" in capsys.readouterr().err
     profile_path().unlink()
     only_installed(monkeypatch, "llama.cpp")
-    assert main(command) == 0 and len(loaded) == 2 and not profile_path().exists()
+    assert main(command) == 0 and len(loaded) == measured and not profile_path().exists()
     assert "nothing to choose between" in capsys.readouterr().err
 
 

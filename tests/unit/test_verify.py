@@ -158,6 +158,14 @@ def test_token_distribution_filters():
     np.testing.assert_allclose(hot, expected / expected.sum())
 
 
+def test_a_tiny_temperature_tends_to_greedy_without_overflow():
+    # logits / 1e-310 overflow to inf; the distribution must still be the argmax's, not NaNs.
+    logits = np.array([1.0, 3.0, -np.inf, 2.0], dtype=np.float32)
+    with np.errstate(invalid="raise", divide="raise"):
+        dist = token_distribution(logits, SamplingParams(temperature=1e-310))
+    assert dist.tolist() == [0, 1, 0, 0]
+
+
 def test_top_p_falls_back_to_full_sort_on_flat_distributions():
     logits = np.zeros(5000)
     dist = token_distribution(logits, SamplingParams(temperature=1.0, top_p=0.8999))

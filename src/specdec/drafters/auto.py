@@ -23,10 +23,13 @@ prior) and what it achieved in this request, and at what its proposals really ta
 timed against the forwards and catch-up it was priced at (logits copies, softmax and the
 catch-up's own kernel are not in the calibrated step), and that ratio scales its price from then
 on; it is not probed where that price says it loses
-(probing it on a 2-core CPU cost more than it found). A model draft stops early when the draft's
-own confidence says the next token is no longer worth its cost: the threshold is the planned
-rate times that token's marginal cost, with the draft's confidence calibrated against what the
-target accepted.
+(probing it on a 2-core CPU cost more than it found). Once the plan picks the draft model, how far
+it drafts (up to k) is decided token by token from the draft's own confidence, calibrated against
+what the target accepted: a token the draft has produced is proposed while its chance of being
+accepted pays for its verification row at the planned rate, and the draft runs for the next
+position only while that position's expected acceptance also pays for a draft step. The step
+already run is not charged again (charging it left most draft rounds on a Zen 3 proposing nothing
+after paying for the step).
 
 It only changes what is proposed, never what is accepted: every decision depends on the context
 and earlier outcomes, never on the token being drawn, so the acceptance rule stays exact.
@@ -38,24 +41,32 @@ one token E = 1.9 / 96 ms = 19.8 tok/s, three tokens E = 3.44 / 180 ms = 19.1 to
 """
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from specdec.drafters.base import Drafter
 from specdec.drafters.history import TenantHistory
-from specdec.drafters.model import ModelDrafter
+from specdec.drafters.model import Extent, ModelDrafter
 from specdec.drafters.suffix import Continuation, Evidence, SuffixIndex
 from specdec.engine.cost_model import CostModel
 from specdec.types import Proposal, SamplingParams
 
 NGRAM_SOURCES = ("ngram", "cache")  # deterministic sources, learned from shadow proposals
-CATCH_UP_HORIZON = 32  # rounds over which the draft model's first catch-up (the prompt) is priced
+CATCH_UP_HORIZON = 32  # rounds over which the draft model's backlog (the prompt, at first) is priced
 MAX_MATCH = 16  # the longest match prompt lookup looks for (matches of 14+ are accepted 98 % of the time)
-DRAFT_SCALE_SMOOTHING = 0.2  # weight of one draft proposal's measured/priced seconds in draft_seconds_scale
+# draft_seconds_scale is the median of the last DRAFT_SCALE_WINDOW proposals' measured/priced
+# seconds: a moving average let one stalled proposal (3x) price the draft out for many rounds.
+DRAFT_SCALE_WINDOW = 9
 DRAFT_SCALE_RANGE = (0.5, 3.0)  # one observation's ratio is clipped to this: a stall must not ban the model
+# Observations the draft model's prior acceptance is worth in a request. Its acceptance is a
+# property of the model pair (0.6-0.95 per Spec-Bench category); with 2, one early rejection
+# priced it below plain decoding and, never tried again, it was never relearned.
+DRAFT_PRIOR_WEIGHT = 8.0
 
 
 @dataclass
@@ -216,6 +227,7 @@ class AutoDrafter(Drafter):
         # price it at (its logits copied out, softmax, the catch-up's own kernel): measured per
         # proposal, kept across requests (a property of the machine), and applied to its price.
         self.draft_seconds_scale = 1.0
+        self._draft_seconds_ratios: deque[float] = deque(maxlen=DRAFT_SCALE_WINDOW)
         self.priors = {"draft": draft_prior, "hybrid": draft_prior}
         self.context_index = SuffixIndex(max_ngram)
         self.begin(())
@@ -224,7 +236,7 @@ class AutoDrafter(Drafter):
         self.history = history
         self.context_index.reset()
         self.estimates = {"ngram": EvidenceEstimate(NGRAM_PRIORS), "cache": EvidenceEstimate(CACHE_PRIORS),
-                          **{source: AcceptanceEstimate(prior) for source, prior in self.priors.items()}}
+                          **{source: AcceptanceEstimate(prior, DRAFT_PRIOR_WEIGHT) for source, prior in self.priors.items()}}
         self.shadows: list[_Shadow] = []
         self.confidence_sum = 1.0  # calibration of the draft's confidence: accepted / confidence
         self.confidence_accepted = 1.0
@@ -232,6 +244,7 @@ class AutoDrafter(Drafter):
         self._offers: dict[str, Offer] = {}
         self._draft_used = False  # the draft model has caught up with this request once
         self._confidences: list[float] = []
+        self.draft_forwards = 0  # forwards the last model proposal made (_early_stop counts them)
         self._context: Sequence[int] = ()
         # The draft model's cache is synced lazily, on its first proposal, so a request that never
         # uses it never pays for processing the prompt on it.
@@ -253,7 +266,7 @@ class AutoDrafter(Drafter):
         if not self.draft_could_pay(k):
             return options
         draft_step = self.cost.draft_step_seconds * self.draft_seconds_scale
-        catch_up = self._draft_catch_up_seconds() * self.draft_seconds_scale
+        catch_up = self._draft_catch_up_seconds(k) * self.draft_seconds_scale
         for kind, prefixes in (("draft", {"": []}), ("hybrid", source_rates)):
             model_rates = self.estimates[kind].rates(k)
             for prefix_source, prefix_rates in prefixes.items():
@@ -306,17 +319,18 @@ class AutoDrafter(Drafter):
         if option.source in NGRAM_SOURCES:
             return Proposal(offers[option.source].tokens[:option.length], None, option.source)
         if option.source in ("draft", "hybrid"):
+            # The plan says the draft pays; how far it goes is then decided token by token from its
+            # confidence (_early_stop), up to k: each further step is priced as it comes.
+            option = self._last = replace(option, length=k)
             self._draft_used = True
             self._confidences = []
             prefix = offers[option.prefix_source].tokens[:option.prefix_length] if option.prefix_length else ()
-            catch_up = self._draft_lag_seconds()
+            lag, per_token = self._draft_lag()
             started = self.clock()
             proposal = self.model_drafter.propose(context, option.length, sampling, rng, prefix,
                                                   self._early_stop(option))
-            # Forwards made: the one over the last token (and prefix), whose logits give the first
-            # model token even when the draft stops before it, then one per further model token.
-            forwards = max(1, len(proposal.draft_tokens) - option.prefix_length)
-            self._observe_draft_seconds(self.clock() - started, forwards * self.cost.draft_step_seconds + catch_up)
+            self._observe_draft_seconds(self.clock() - started,
+                                        self.draft_forwards * self.cost.draft_step_seconds + lag * per_token)
             return Proposal(proposal.draft_tokens, proposal.draft_probs, option.source)
         return Proposal((), None, "off")
 
@@ -360,33 +374,41 @@ class AutoDrafter(Drafter):
                 pending.append(shadow)  # every committed token matched, more are needed to judge it
         self.shadows = pending
 
-    def _draft_catch_up_seconds(self) -> float:
+    def _draft_catch_up_seconds(self, k: int) -> float:
         """What the draft model needs before it can propose, priced per round: processing the
-        committed tokens its cache lacks, at its batched per-token cost. The first time that is
-        the whole prompt, an investment that serves every later draft round too, so it is spread
-        over CATCH_UP_HORIZON rounds; afterwards it is the few tokens committed since."""
-        seconds = self._draft_lag_seconds()
-        return seconds if self._draft_used else seconds / CATCH_UP_HORIZON
+        committed tokens its cache lacks, at its batched per-token cost. What one round commits
+        (up to k + 1 tokens) is a cost of every draft round; more than that (the prompt on first
+        use, or the tokens of rounds without the draft) is an investment that serves every later
+        draft round too, so it is spread over CATCH_UP_HORIZON rounds. Charged in full, that
+        backlog priced the draft out and grew with every round without it: a trap."""
+        lag, per_token = self._draft_lag()
+        steady = min(lag, k + 1) if self._draft_used else 0
+        return (steady + (lag - steady) / CATCH_UP_HORIZON) * per_token
 
-    def _draft_lag_seconds(self) -> float:
-        """The calibrated seconds of processing the committed tokens the draft's cache lacks."""
+    def _draft_lag(self) -> tuple[int, float]:
+        """The committed tokens the draft's cache lacks, and the calibrated seconds per token of
+        processing them."""
         sequence = getattr(self.model_drafter, "sequence", None)
         if sequence is None or not self._context:
-            return 0.0
+            return 0, 0.0
         lag = len(self._context) - 1 - sequence.reusable_prefix(self._context[:-1])
-        return lag * (self.cost.draft_prefill_seconds or self.cost.draft_step_seconds or 0.0)
+        return lag, self.cost.draft_prefill_seconds or self.cost.draft_step_seconds or 0.0
 
     def _observe_draft_seconds(self, measured: float, priced: float) -> None:
         if priced <= 0:
             return
         low, high = DRAFT_SCALE_RANGE
-        ratio = min(high, max(low, measured / priced))
-        self.draft_seconds_scale += DRAFT_SCALE_SMOOTHING * (ratio - self.draft_seconds_scale)
+        self._draft_seconds_ratios.append(min(high, max(low, measured / priced)))
+        self.draft_seconds_scale = statistics.median(self._draft_seconds_ratios)
 
     def _early_stop(self, option: Option):
-        """keep_drafting(position, confidence) for the draft model: go on while the chance that
-        the next token is accepted (its prefix included) pays for its marginal cost at the planned
-        rate — the threshold follows this machine's cost curve and the plan."""
+        """keep_drafting(position, confidence) for the draft model. The draft step that gave this
+        position is paid, so its token is proposed while the chance that it is accepted (its
+        prefix included) pays for its verification row at the planned rate; the draft runs for the
+        next position only while that position's expected acceptance also pays for a draft step
+        and a row. Stopping when the row alone did not pay for the draft step too left the step
+        wasted: most of `auto`'s draft rounds on a Zen 3 proposed nothing. Also counts the draft
+        forwards made, which price the proposal (`draft_forwards`)."""
         reach = 1.0  # chance that every token before the next one is accepted
         if option.prefix_length:
             for rate in self.estimates[option.prefix_source].rates(option.prefix_length,
@@ -394,17 +416,27 @@ class AutoDrafter(Drafter):
                 reach *= rate
         calibration = self.confidence_accepted / self.confidence_sum
         draft_step = (self.cost.draft_step_seconds or 0.0) * self.draft_seconds_scale
+        kind = "hybrid" if option.prefix_length else "draft"
+        model_rates = self.estimates[kind].rates(option.length - option.prefix_length)
+        self.draft_forwards = 1  # the one over the last token (and prefix): its logits give the first
 
-        def keep_drafting(position: int, confidence: float) -> bool:
+        def row(position: int) -> float:
+            """Seconds of verifying the proposal's token at `position` (0-based)."""
+            return self.cost.target(position + 2) - self.cost.target(position + 1)
+
+        def keep_drafting(position: int, confidence: float) -> Extent:
             nonlocal reach
+            reach_with = reach * min(1.0, confidence * calibration)
+            if reach_with < option.tokens_per_second * row(position):
+                return Extent.STOP
             self._confidences.append(confidence)
-            reach_next = reach * min(1.0, confidence * calibration)
-            marginal_seconds = self.cost.target(position + 2) - self.cost.target(position + 1) + draft_step
-            if reach_next < option.tokens_per_second * marginal_seconds:
-                self._confidences.pop()
-                return False
-            reach = reach_next
-            return True
+            reach = reach_with
+            further = position + 1 - option.prefix_length  # the next model token's index in model_rates
+            if further >= len(model_rates) or \
+                    reach * model_rates[further] < option.tokens_per_second * (draft_step + row(position + 1)):
+                return Extent.LAST
+            self.draft_forwards += 1
+            return Extent.MORE
 
         return keep_drafting
 

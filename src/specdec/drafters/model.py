@@ -1,6 +1,7 @@
 """Drafting with a small model that shares the target's tokenizer."""
 from __future__ import annotations
 
+import enum
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -11,9 +12,20 @@ from specdec.engine.sequence import CachedSequence
 from specdec.sampling.probs import one_hot, sample, softmax, token_distribution
 from specdec.types import Proposal, SamplingParams
 
-# keep_drafting(position, confidence) -> False ends the draft before `position` (0-based in the
-# proposal); confidence is the draft model's probability of its most likely token there.
-KeepDrafting = Callable[[int, float], bool]
+
+
+class Extent(enum.Enum):
+    """How far a model draft goes at one position, decided before its token is drawn."""
+
+    STOP = "stop"  # leave this position's token out: the proposal ends before it
+    LAST = "last"  # propose this token, then stop without running the draft for the next one
+    MORE = "more"  # propose it and run the draft for the next position
+
+
+# keep_drafting(position, confidence) -> Extent at `position` (0-based in the proposal); confidence
+# is the draft model's probability of its most likely token there. The draft step that produced
+# this position is already paid; the one for the next position is paid only on MORE.
+KeepDrafting = Callable[[int, float], Extent]
 # Committed tokens the draft's cache lacks that are evaluated in one forward with the last token
 # (their logits are copied out too, so a longer lag goes through prompt processing instead).
 MAX_JOINED_CATCH_UP = 16
@@ -60,16 +72,20 @@ class ModelDrafter(Drafter):
         probs: list[np.ndarray] = [] if sampling.greedy else [one_hot(t, logits.shape[-1]) for t in prefix]
         while len(tokens) < k:
             dist = None if sampling.greedy else token_distribution(logits, sampling)
+            extent = Extent.MORE
             if keep_drafting is not None:
                 # Decided before drawing the token, from the distribution alone: a stop that
                 # depended on the drawn token would bias which tokens get verified (not exact).
                 confidence = float(softmax(logits).max() if dist is None else dist.max())
-                if not keep_drafting(len(tokens), confidence):
+                extent = keep_drafting(len(tokens), confidence)
+                if extent is Extent.STOP:
                     break
             token = int(np.argmax(logits)) if dist is None else sample(dist, rng)
             tokens.append(token)
             if dist is not None:
                 probs.append(dist)
+            if extent is Extent.LAST:
+                break
             if len(tokens) < k:
                 logits = self.sequence.extend([token])[-1]
         return Proposal(tuple(tokens), np.stack(probs) if probs else None, source)

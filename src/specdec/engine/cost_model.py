@@ -73,6 +73,18 @@ class CostModel:
             raise ValueError("a cost model needs a positive one-token time")
         return cls(target_seconds, data.get("draft_step_seconds"), data.get("draft_prefill_seconds"))
 
+    @classmethod
+    def median_of(cls, costs: list["CostModel"]) -> "CostModel":
+        """Each cost the median of several calibrations' (of one setup, taken at different times)."""
+        def median(values):
+            values = [value for value in values if value is not None]
+            return statistics.median(values) if values else None
+
+        sizes = set.intersection(*(set(cost.target_seconds) for cost in costs))
+        return cls({n: median([cost.target_seconds[n] for cost in costs]) for n in sorted(sizes)},
+                   median([cost.draft_step_seconds for cost in costs]),
+                   median([cost.draft_prefill_seconds for cost in costs]))
+
     def as_dict(self) -> dict:
         t1 = self.target(1)
         return {

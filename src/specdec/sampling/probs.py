@@ -15,8 +15,10 @@ _TOP_P_PARTIAL_SORT = 2048  # sort only this many candidates for top-p unless th
 
 def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     """Float64 softmax of one row. logits: [vocab]."""
-    z = logits.astype(np.float64) / temperature
-    z -= z.max()
+    z = logits.astype(np.float64)
+    z -= z.max()  # before dividing: a tiny temperature then sends the others to -inf (the greedy
+    with np.errstate(over="ignore"):  # limit), where dividing first gave inf - inf = NaN
+        z /= temperature
     np.exp(z, out=z)
     z /= z.sum()
     return z
