@@ -13,7 +13,6 @@ from specdec.sampling.probs import one_hot, sample, softmax, token_distribution
 from specdec.types import Proposal, SamplingParams
 
 
-
 class Extent(enum.Enum):
     """How far a model draft goes at one position, decided before its token is drawn."""
 
