@@ -11,7 +11,8 @@ models: install
 	.venv/bin/specdec models pull
 
 # Once per machine: where more than one exact backend is installed, measure them and save the
-# fastest as this machine's default (about a minute; kept until the CPU or specdec changes).
+# fastest as this machine's default (three calibrations each, in turn, medians compared; about three
+# minutes; kept until the CPU or specdec changes).
 profile: models
 	.venv/bin/specdec calibrate --configs exact --save --if-missing
 
