@@ -416,8 +416,7 @@ class AutoDrafter(Drafter):
                 reach *= rate
         calibration = self.confidence_accepted / self.confidence_sum
         draft_step = (self.cost.draft_step_seconds or 0.0) * self.draft_seconds_scale
-        kind = "hybrid" if option.prefix_length else "draft"
-        model_rates = self.estimates[kind].rates(option.length - option.prefix_length)
+        model_rates = self.estimates[option.source].rates(option.length - option.prefix_length)
         self.draft_forwards = 1  # the one over the last token (and prefix): its logits give the first
 
         def row(position: int) -> float:
