@@ -357,21 +357,51 @@ def test_the_draft_models_catch_up_is_priced():
         assert (proposal.source == "draft") is expect_draft
 
 
-def test_a_backlog_left_by_rounds_without_the_draft_is_an_investment_but_a_rounds_catch_up_is_not():
-    """t(5) 54 ms, a 5 ms draft step, acceptance 0.9: four drafted tokens yield 4.1 tokens for
-    74 ms plus the catch-up, so the draft pays while the catch-up is under 126 ms. A backlog of 40
-    tokens at 10 ms each (after rounds without the draft) is spread over CATCH_UP_HORIZON rounds
-    beyond the k + 1 = 5 a round commits (50 + 35 x 10 / 32 ms): still drafted. The 5 tokens one
-    round commits, at 30 ms each (150 ms), are charged in full: not drafted."""
+def test_a_backlog_left_by_rounds_without_the_draft_is_an_investment_but_a_rounds_own_catch_up_is_not():
+    """t(n) = 50 ms x (1 + 0.4 (n - 1)), a 10 ms draft step (its forward of n tokens 10 ms x v(n)),
+    one drafted token, plain 20 tok/s (20.4 with the margin). Acceptance 0.9: 1.9 tokens for t(2) 70
+    ms + draft(2) 14 ms with the one token a draft round leaves; a backlog of 5 (rounds without the
+    draft) would cost draft(6) 30 ms in full (1.9 / 100 ms: 19 tok/s, never drafted again) but is
+    charged 14 + 16 / 32 ms: drafted. Acceptance 0.66: 1.66 / 80 ms = 20.75 pays with the cache in
+    step, 1.66 / 84 ms = 19.8 does not once the round's own token is charged."""
     context = list(range(1000))
-    for held, prefill_seconds, expect_draft in ((959, 0.010, True), (994, 0.030, False)):
+    cost = CostModel({n: 0.050 * (1 + 0.4 * (n - 1)) for n in range(1, 9)}, 0.010, 0.010)
+    for lag, draft_rate, expect_draft in ((5, 0.9, True), (0, 0.66, True), (1, 0.66, False)):
         model = StubModelDrafter()
-        model.sequence = LaggingDraftSequence(held)
-        cost = CostModel({n: 0.050 * (1 + 0.02 * (n - 1)) for n in range(1, 9)}, 0.005, prefill_seconds)
-        drafter = drafter_with(cost, ngram_rate=0.0, draft_rate=0.9, model=model)
-        drafter._draft_used = True  # the draft has proposed in this request before
-        proposal = drafter.propose(context, 4, GREEDY, None)
-        assert (proposal.source == "draft") is expect_draft
+        model.sequence = LaggingDraftSequence(len(context) - 1 - lag)
+        drafter = drafter_with(cost, ngram_rate=0.0, draft_rate=draft_rate, model=model)
+        proposal = drafter.propose(context, 1, GREEDY, None)
+        assert (proposal.source == "draft") is expect_draft, (lag, draft_rate)
+
+
+def test_a_draft_forward_costs_its_step_on_the_targets_curve():
+    cost = CostModel({1: 0.050, 2: 0.060, 4: 0.080}, 0.010)
+    assert cost.draft(1) == pytest.approx(0.010)
+    assert cost.draft(2) == pytest.approx(0.012)
+    assert cost.draft(3) == pytest.approx(0.014)  # between known sizes: the curve's extrapolation
+    assert CostModel({1: 0.050}).draft(3) == 0.0  # no draft model
+
+
+class PrefillRecordingDrafter(StubModelDrafter):
+    def __init__(self):
+        super().__init__()
+        self.began = []
+
+    def begin(self, prompt, history=None):
+        self.began.append(tuple(prompt))
+
+
+def test_a_short_prompt_is_processed_on_the_draft_model_with_the_targets_a_long_one_lazily():
+    """12 target steps of 50 ms = 600 ms: at 5 ms a token the draft processes a 100-token prompt
+    before the first token; a 200-token one (1 s) waits for the draft's first proposal, and a draft
+    model that cannot pay at all (a 60 ms step) processes nothing."""
+    for prompt_tokens, draft_step, eager in ((100, 0.005, True), (200, 0.005, False), (100, 0.060, False)):
+        model = PrefillRecordingDrafter()
+        cost = CostModel({n: 0.050 * (1 + 0.02 * (n - 1)) for n in range(1, 9)}, draft_step, 0.005)
+        drafter = AutoDrafter(cost, model)
+        prompt = list(range(prompt_tokens))
+        drafter.begin(prompt)
+        assert model.began == ([tuple(prompt)] if eager else []), (prompt_tokens, draft_step)
 
 
 class SlowModelDrafter(StubModelDrafter):

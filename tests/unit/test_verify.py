@@ -77,6 +77,20 @@ def test_one_hot_draft_matches_greedy_rule_when_target_is_one_hot():
     assert verify_greedy([4, 2], [4, 1, 5]) == v
 
 
+def test_target_rows_given_by_a_function_are_computed_only_up_to_the_rejection():
+    """Rows past the first rejection are never read (a softmax over the vocabulary each); the
+    verdict and the generator's draws are the same as with every row stacked."""
+    p = np.array([0.1, 0.2, 0.3, 0.4])
+    rows = np.stack([p, one_hot(2, 4), p, p])
+    draft = np.stack([p, one_hot(1, 4), p])  # position 2 drafts 1 where the target has 2: rejected
+    for seed in range(20):
+        asked = []
+        lazy = verify([3, 1, 0], draft, lambda i: asked.append(i) or rows[i], np.random.default_rng(seed))
+        stacked = verify([3, 1, 0], draft, rows, np.random.default_rng(seed))
+        assert lazy == stacked
+        assert asked == list(range(lazy.num_accepted + 1))
+
+
 def _tv_bound(n_draws, n_outcomes, confidence_z=4.5):
     # Total-variation distance of an empirical distribution: each cell's standard error is at most
     # 0.5/sqrt(n); summing a z-sigma deviation over the cells and halving bounds TV with ample margin.

@@ -51,7 +51,7 @@ import numpy as np
 
 from specdec.drafters.base import Drafter
 from specdec.drafters.history import TenantHistory
-from specdec.drafters.model import Extent, ModelDrafter
+from specdec.drafters.model import MAX_JOINED_CATCH_UP, Extent, ModelDrafter
 from specdec.drafters.suffix import Continuation, Evidence, SuffixIndex
 from specdec.engine.cost_model import CostModel
 from specdec.types import Proposal, SamplingParams
@@ -62,11 +62,23 @@ MAX_MATCH = 16  # the longest match prompt lookup looks for (matches of 14+ are 
 # draft_seconds_scale is the median of the last DRAFT_SCALE_WINDOW proposals' measured/priced
 # seconds: a moving average let one stalled proposal (3x) price the draft out for many rounds.
 DRAFT_SCALE_WINDOW = 9
+# The window starts with this many ratios of 1 (the calibrated price): a first proposal that
+# stalls (on a Spec-Bench run, one in the warm-up) otherwise set the scale alone, priced the draft
+# out of every later request, and, never proposed again, it was never measured again.
+DRAFT_SCALE_PRIOR = 4
 DRAFT_SCALE_RANGE = (0.5, 3.0)  # one observation's ratio is clipped to this: a stall must not ban the model
 # Observations the draft model's prior acceptance is worth in a request. Its acceptance is a
 # property of the model pair (0.6-0.95 per Spec-Bench category); with 2, one early rejection
 # priced it below plain decoding and, never tried again, it was never relearned.
 DRAFT_PRIOR_WEIGHT = 8.0
+# A prompt the draft model processes for at most this many target steps is processed with the
+# target's, before the first token, when the draft model can pay at all: a chat prompt (40-140
+# tokens, 0.2-0.7 s on a Zen 3) whose answer the draft drafts anyway. Processed lazily instead, on
+# the first draft round, it is paid inside decoding, and a short answer (8-30 tokens) lost 10-20 %
+# of its speed to it. A longer prompt (a document, where copying is what pays) stays lazy: it is
+# paid only if the draft is used.
+EAGER_DRAFT_PROMPT_STEPS = 12.0
+EAGER_DRAFT_K = 4  # the proposal lengths over which begin() asks whether the draft could pay
 
 
 @dataclass
@@ -227,7 +239,7 @@ class AutoDrafter(Drafter):
         # price it at (its logits copied out, softmax, the catch-up's own kernel): measured per
         # proposal, kept across requests (a property of the machine), and applied to its price.
         self.draft_seconds_scale = 1.0
-        self._draft_seconds_ratios: deque[float] = deque(maxlen=DRAFT_SCALE_WINDOW)
+        self._draft_seconds_ratios: deque[float] = deque([1.0] * DRAFT_SCALE_PRIOR, maxlen=DRAFT_SCALE_WINDOW)
         self.priors = {"draft": draft_prior, "hybrid": draft_prior}
         self.context_index = SuffixIndex(max_ngram)
         self.begin(())
@@ -242,12 +254,13 @@ class AutoDrafter(Drafter):
         self.confidence_accepted = 1.0
         self._last: Optional[Option] = None
         self._offers: dict[str, Offer] = {}
-        self._draft_used = False  # the draft model has caught up with this request once
         self._confidences: list[float] = []
         self.draft_forwards = 0  # forwards the last model proposal made (_early_stop counts them)
         self._context: Sequence[int] = ()
-        # The draft model's cache is synced lazily, on its first proposal, so a request that never
-        # uses it never pays for processing the prompt on it.
+        if prompt and self._draft_prompt_is_cheap(prompt):
+            self.model_drafter.begin(prompt)
+        # Otherwise the draft model's cache is synced lazily, on its first proposal, so a request
+        # that never uses it never pays for processing the prompt on it.
 
     # -- the policy ----------------------------------------------------------------------------
     def options(self, available: dict[str, Offer], k: int) -> list[Option]:
@@ -265,8 +278,7 @@ class AutoDrafter(Drafter):
                 options.append(Option(source, j, tokens / target[j]))
         if not self.draft_could_pay(k):
             return options
-        draft_step = self.cost.draft_step_seconds * self.draft_seconds_scale
-        catch_up = self._draft_catch_up_seconds(k) * self.draft_seconds_scale
+        lag = self._draft_lag()
         for kind, prefixes in (("draft", {"": []}), ("hybrid", source_rates)):
             model_rates = self.estimates[kind].rates(k)
             for prefix_source, prefix_rates in prefixes.items():
@@ -277,11 +289,10 @@ class AutoDrafter(Drafter):
                     for rate in prefix_rates[:m]:
                         reach *= rate
                         tokens += reach
-                    # A hybrid evaluates its prefix in one draft forward, then steps the model.
                     for j, rate in enumerate(model_rates[:k - m], start=m + 1):
                         reach *= rate
                         tokens += reach
-                        seconds = target[j] + (j - m + (1 if m else 0)) * draft_step + catch_up
+                        seconds = target[j] + self._draft_price(lag, m, j - m) * self.draft_seconds_scale
                         options.append(Option(kind, j, tokens / seconds, prefix_source, m))
         return options
 
@@ -300,6 +311,13 @@ class AutoDrafter(Drafter):
         draft_step = self.cost.draft_step_seconds * self.draft_seconds_scale
         best = max((1 + j) / (self.cost.target(1 + j) + j * draft_step) for j in range(1, k + 1))
         return best > (1.0 + self.margin) / self.cost.target(1)
+
+    def _draft_prompt_is_cheap(self, prompt: Sequence[int]) -> bool:
+        """Whether the draft model processes this prompt with the target's (EAGER_DRAFT_PROMPT_STEPS)."""
+        if not self.draft_could_pay(EAGER_DRAFT_K):
+            return False
+        per_token = self.cost.draft_prefill_seconds or self.cost.draft_step_seconds
+        return len(prompt) * per_token <= EAGER_DRAFT_PROMPT_STEPS * self.cost.target(1)
 
     # -- rounds --------------------------------------------------------------------------------
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
@@ -322,15 +340,14 @@ class AutoDrafter(Drafter):
             # The plan says the draft pays; how far it goes is then decided token by token from its
             # confidence (_early_stop), up to k: each further step is priced as it comes.
             option = self._last = replace(option, length=k)
-            self._draft_used = True
             self._confidences = []
             prefix = offers[option.prefix_source].tokens[:option.prefix_length] if option.prefix_length else ()
-            lag, per_token = self._draft_lag()
+            lag = self._draft_lag()
             started = self.clock()
             proposal = self.model_drafter.propose(context, option.length, sampling, rng, prefix,
                                                   self._early_stop(option))
             self._observe_draft_seconds(self.clock() - started,
-                                        self.draft_forwards * self.cost.draft_step_seconds + lag * per_token)
+                                        self._draft_seconds(lag, len(prefix), self.draft_forwards))
             return Proposal(proposal.draft_tokens, proposal.draft_probs, option.source)
         return Proposal((), None, "off")
 
@@ -374,25 +391,32 @@ class AutoDrafter(Drafter):
                 pending.append(shadow)  # every committed token matched, more are needed to judge it
         self.shadows = pending
 
-    def _draft_catch_up_seconds(self, k: int) -> float:
-        """What the draft model needs before it can propose, priced per round: processing the
-        committed tokens its cache lacks, at its batched per-token cost. What one round commits
-        (up to k + 1 tokens) is a cost of every draft round; more than that (the prompt on first
-        use, or the tokens of rounds without the draft) is an investment that serves every later
-        draft round too, so it is spread over CATCH_UP_HORIZON rounds. Charged in full, that
-        backlog priced the draft out and grew with every round without it: a trap."""
-        lag, per_token = self._draft_lag()
-        steady = min(lag, k + 1) if self._draft_used else 0
-        return (steady + (lag - steady) / CATCH_UP_HORIZON) * per_token
+    def _draft_seconds(self, lag: int, prefix: int, forwards: int) -> float:
+        """Calibrated seconds of a draft-model proposal: its first forward evaluates the committed
+        tokens its cache lacks (`lag`), the last one and the n-gram `prefix` together (a longer lag
+        than MAX_JOINED_CATCH_UP is processed as a prompt first), every later forward one token."""
+        catch_up = 0.0
+        if lag > MAX_JOINED_CATCH_UP:
+            catch_up, lag = lag * (self.cost.draft_prefill_seconds or self.cost.draft_step_seconds or 0.0), 0
+        return catch_up + self.cost.draft(lag + 1 + prefix) + (forwards - 1) * (self.cost.draft_step_seconds or 0.0)
 
-    def _draft_lag(self) -> tuple[int, float]:
-        """The committed tokens the draft's cache lacks, and the calibrated seconds per token of
-        processing them."""
+    def _draft_price(self, lag: int, prefix: int, forwards: int) -> float:
+        """What a round is charged for a draft-model proposal: the catch-up a draft round leaves
+        for the next one (at most one token, its last accepted draft) in full; a longer lag (the
+        prompt on first use, or what rounds without the draft committed) must be processed before
+        any later draft round too, so it is an investment spread over CATCH_UP_HORIZON rounds.
+        Charged in full, it priced the draft out after a few rounds without it, and every further
+        round without it made it dearer: on a Zen 3, an mt_bench answer left the draft unused for
+        its last 90 tokens, where the fixed draft ran 1.15x."""
+        own = self._draft_seconds(min(lag, 1), prefix, forwards)
+        return own + (self._draft_seconds(lag, prefix, forwards) - own) / CATCH_UP_HORIZON
+
+    def _draft_lag(self) -> int:
+        """The committed tokens the draft's cache lacks."""
         sequence = getattr(self.model_drafter, "sequence", None)
         if sequence is None or not self._context:
-            return 0, 0.0
-        lag = len(self._context) - 1 - sequence.reusable_prefix(self._context[:-1])
-        return lag, self.cost.draft_prefill_seconds or self.cost.draft_step_seconds or 0.0
+            return 0
+        return len(self._context) - 1 - sequence.reusable_prefix(self._context[:-1])
 
     def _observe_draft_seconds(self, measured: float, priced: float) -> None:
         if priced <= 0:

@@ -9,7 +9,7 @@ import numpy as np
 from specdec.drafters.base import Drafter
 from specdec.drafters.history import TenantHistory
 from specdec.engine.sequence import CachedSequence
-from specdec.sampling.probs import one_hot, sample, softmax, token_distribution
+from specdec.sampling.probs import max_probability, one_hot, sample, token_distribution
 from specdec.types import Proposal, SamplingParams
 
 
@@ -75,7 +75,7 @@ class ModelDrafter(Drafter):
             if keep_drafting is not None:
                 # Decided before drawing the token, from the distribution alone: a stop that
                 # depended on the drawn token would bias which tokens get verified (not exact).
-                confidence = float(softmax(logits).max() if dist is None else dist.max())
+                confidence = max_probability(logits) if dist is None else float(dist.max())
                 extent = keep_drafting(len(tokens), confidence)
                 if extent is Extent.STOP:
                     break

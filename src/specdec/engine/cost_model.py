@@ -42,6 +42,12 @@ class CostModel:
         """v(n) = t(n) / t(1)."""
         return self.target(n) / self.target(1)
 
+    def draft(self, n: int) -> float:
+        """Seconds of one draft-model forward over n tokens: its step times the target's v(n). The
+        two run the same kernels; on a Zen 3 the draft's forwards of 2..6 tokens cost 1.16 1.29
+        1.40 1.56 1.77 steps, the target's 1.11 1.22 1.43 1.55 1.78."""
+        return (self.draft_step_seconds or 0.0) * self.relative(n)
+
     def observe_target(self, n: int, seconds: float) -> None:
         old = self.target_seconds.get(n)
         new = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds

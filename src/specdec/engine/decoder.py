@@ -113,8 +113,8 @@ class Generation:
             verdict = verify_deterministic(draft_tokens, lambda i: sample_with(
                 token_distribution(target_logits[i], sampling), position_uniform(self.seed, first + i)))
         else:
-            target_probs = np.stack([token_distribution(row, sampling) for row in target_logits])
-            verdict = verify(draft_tokens, proposal.draft_probs, target_probs, self.rng)
+            verdict = verify(draft_tokens, proposal.draft_probs,
+                             lambda i: token_distribution(target_logits[i], sampling), self.rng)
         self.stats.record_round(k, verdict.num_accepted, proposal.source)
         self.drafter.observe(proposal, verdict.num_accepted, self._verify_seconds)
         self._verify_seconds = None

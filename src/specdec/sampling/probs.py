@@ -14,14 +14,24 @@ _TOP_P_PARTIAL_SORT = 2048  # sort only this many candidates for top-p unless th
 
 
 def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
-    """Float64 softmax of one row. logits: [vocab]."""
-    z = logits.astype(np.float64)
-    z -= z.max()  # before dividing: a tiny temperature then sends the others to -inf (the greedy
-    with np.errstate(over="ignore"):  # limit), where dividing first gave inf - inf = NaN
-        z /= temperature
+    """Softmax of one row, as float64 summing to 1. logits: [vocab]. The exponentials are taken in
+    float32, the logits' own precision: in float64 they took 2 ms of a 74 ms step on a Zen 3, paid
+    for every verified row and every sampled draft token."""
+    z = np.array(logits, dtype=np.float32)
+    z -= z.max()  # before scaling: a tiny temperature then sends the others to -inf (the greedy
+    with np.errstate(over="ignore"):  # limit), where scaling first gave inf - inf = NaN
+        z *= np.float32(min(1.0 / temperature, np.finfo(np.float32).max))
     np.exp(z, out=z)
-    z /= z.sum()
-    return z
+    probs = z.astype(np.float64)
+    probs /= probs.sum()
+    return probs
+
+
+def max_probability(logits: np.ndarray) -> float:
+    """softmax(logits).max() without the distribution: 1 / sum(exp(z - max)), in the logits' own
+    float32 (the draft model's confidence, every draft step: the float64 softmax over 151,936
+    logits took 3 ms of a 23 ms step)."""
+    return float(1.0 / np.exp(logits - logits.max()).sum(dtype=np.float64))
 
 
 def one_hot(index: int, size: int) -> np.ndarray:

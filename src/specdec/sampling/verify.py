@@ -10,7 +10,7 @@ by position (the decoder's), the output then never depends on what was proposed.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -21,14 +21,16 @@ from specdec.types import Verdict
 def verify(
     draft_tokens: Sequence[int],
     draft_probs: Optional[np.ndarray],
-    target_probs: np.ndarray,
+    target_probs: Union[np.ndarray, Callable[[int], np.ndarray]],
     rng: np.random.Generator,
 ) -> Verdict:
     """Accept a prefix of the draft so that the output is distributed exactly as the target's.
 
     draft_tokens: [k] proposed ids. draft_probs: [k, vocab] the draft's distribution q at each
     position, or None for a deterministic drafter (q is then one-hot at the proposed token).
-    target_probs: [k + 1, vocab] the target's distribution p at each draft position plus one.
+    target_probs: [k + 1, vocab] the target's distribution p at each draft position plus one, or
+    a function giving row i, asked only for the rows reached (each is a softmax over the whole
+    vocabulary: a few milliseconds on a CPU, for rows past a rejection that are never read).
 
     Position i is accepted with probability min(1, p_i(x) / q_i(x)). On the first rejection the
     recovered token is drawn from norm(max(0, p_i - q_i)); if all k are accepted, the bonus token
@@ -38,10 +40,12 @@ def verify(
     -> accepted (5, 7), next_token 2 (the target's own choice where the draft went wrong).
     """
     k = len(draft_tokens)
-    assert target_probs.shape[0] == k + 1, "target_probs must have k + 1 rows"
+    if not callable(target_probs):
+        assert target_probs.shape[0] == k + 1, "target_probs must have k + 1 rows"
+    target_row = target_probs if callable(target_probs) else target_probs.__getitem__
     accepted: list[int] = []
     for i, token in enumerate(draft_tokens):
-        p_row = target_probs[i]
+        p_row = target_row(i)
         p = float(p_row[token])
         q = 1.0 if draft_probs is None else float(draft_probs[i][token])
         if q > 0.0 and (p >= q or rng.random() < p / q):
@@ -56,7 +60,7 @@ def verify(
         if residual.sum() <= 0.0:  # p == q up to rounding: any draw from p is exact
             residual = p_row
         return Verdict(tuple(accepted), sample(residual, rng))
-    return Verdict(tuple(accepted), sample(target_probs[k], rng))
+    return Verdict(tuple(accepted), sample(target_row(k), rng))
 
 
 def verify_deterministic(draft_tokens: Sequence[int], target_token: Callable[[int], int]) -> Verdict:
