@@ -62,9 +62,10 @@ MAX_MATCH = 16  # the longest match prompt lookup looks for (matches of 14+ are 
 # draft_seconds_scale is the median of the last DRAFT_SCALE_WINDOW proposals' measured/priced
 # seconds: a moving average let one stalled proposal (3x) price the draft out for many rounds.
 DRAFT_SCALE_WINDOW = 9
-# The window starts with this many ratios of 1 (the calibrated price): a first proposal that
-# stalls (on a Spec-Bench run, one in the warm-up) otherwise set the scale alone, priced the draft
-# out of every later request, and, never proposed again, it was never measured again.
+# The window starts with this many ratios of 1 (the calibrated price): otherwise one stalled first
+# proposal (a warm-up's, say) sets the scale alone, at its cap the draft is priced out of every
+# later request, and, never proposed again, it is never measured again (a Spec-Bench run on a Zen 3
+# whose `auto` used the draft in no round at all).
 DRAFT_SCALE_PRIOR = 4
 DRAFT_SCALE_RANGE = (0.5, 3.0)  # one observation's ratio is clipped to this: a stall must not ban the model
 # Observations the draft model's prior acceptance is worth in a request. Its acceptance is a
