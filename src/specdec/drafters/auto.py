@@ -317,8 +317,7 @@ class AutoDrafter(Drafter):
         """Whether the draft model processes this prompt with the target's (EAGER_DRAFT_PROMPT_STEPS)."""
         if not self.draft_could_pay(EAGER_DRAFT_K):
             return False
-        per_token = self.cost.draft_prefill_seconds or self.cost.draft_step_seconds
-        return len(prompt) * per_token <= EAGER_DRAFT_PROMPT_STEPS * self.cost.target(1)
+        return self.cost.draft_prompt(len(prompt)) <= EAGER_DRAFT_PROMPT_STEPS * self.cost.target(1)
 
     # -- rounds --------------------------------------------------------------------------------
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
@@ -398,7 +397,7 @@ class AutoDrafter(Drafter):
         than MAX_JOINED_CATCH_UP is processed as a prompt first), every later forward one token."""
         catch_up = 0.0
         if lag > MAX_JOINED_CATCH_UP:
-            catch_up, lag = lag * (self.cost.draft_prefill_seconds or self.cost.draft_step_seconds or 0.0), 0
+            catch_up, lag = self.cost.draft_prompt(lag), 0
         return catch_up + self.cost.draft(lag + 1 + prefix) + (forwards - 1) * (self.cost.draft_step_seconds or 0.0)
 
     def _draft_price(self, lag: int, prefix: int, forwards: int) -> float:

@@ -48,6 +48,11 @@ class CostModel:
         1.40 1.56 1.77 steps, the target's 1.11 1.22 1.43 1.55 1.78."""
         return (self.draft_step_seconds or 0.0) * self.relative(n)
 
+    def draft_prompt(self, n: int) -> float:
+        """Seconds of processing n tokens on the draft model in batches, as a prompt: its measured
+        per-token rate, or its step where that was not measured."""
+        return n * (self.draft_prefill_seconds or self.draft_step_seconds or 0.0)
+
     def observe_target(self, n: int, seconds: float) -> None:
         old = self.target_seconds.get(n)
         new = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds

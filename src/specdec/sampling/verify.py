@@ -40,9 +40,11 @@ def verify(
     -> accepted (5, 7), next_token 2 (the target's own choice where the draft went wrong).
     """
     k = len(draft_tokens)
-    if not callable(target_probs):
+    if callable(target_probs):
+        target_row = target_probs
+    else:
         assert target_probs.shape[0] == k + 1, "target_probs must have k + 1 rows"
-    target_row = target_probs if callable(target_probs) else target_probs.__getitem__
+        target_row = target_probs.__getitem__
     accepted: list[int] = []
     for i, token in enumerate(draft_tokens):
         p_row = target_row(i)
