@@ -6,8 +6,8 @@ import pytest
 from fakes.clock import FakeClock
 
 from specdec.backends.fake import FakeBackend
-from specdec.drafters.auto import (NGRAM_PRIORS, AcceptanceEstimate, AutoDrafter, EvidenceEstimate, Offer, Option,
-                                   expected_tokens, match_bucket)
+from specdec.drafters.auto import (EAGER_DRAFT_K, NGRAM_PRIORS, AcceptanceEstimate, AutoDrafter, EvidenceEstimate,
+                                   Offer, Option, expected_tokens, match_bucket)
 from specdec.drafters.model import MAX_JOINED_CATCH_UP, Extent, ModelDrafter
 from specdec.drafters.suffix import Evidence
 from specdec.engine.cost_model import CostModel
@@ -402,6 +402,19 @@ def test_a_short_prompt_is_processed_on_the_draft_model_with_the_targets_a_long_
         prompt = list(range(prompt_tokens))
         drafter.begin(prompt)
         assert model.began == ([tuple(prompt)] if eager else []), (prompt_tokens, draft_step)
+
+
+def test_the_draft_processes_no_prompt_where_it_pays_only_if_always_accepted():
+    """Mainline-like costs (a second and third row for nearly a step each, v(3) measured a little
+    below v(2)): a draft at 0.45 of a step would beat plain decoding only if every token held, so a
+    short prompt is left for its first proposal, which never comes at the prior acceptance (0.78)."""
+    cost = CostModel({1: 0.085, 2: 0.164, 3: 0.158, 4: 0.304, 5: 0.334}, 0.038, 0.005)
+    model = PrefillRecordingDrafter()
+    drafter = AutoDrafter(cost, model)
+    assert drafter.draft_could_pay(EAGER_DRAFT_K)  # (1 + 2) / (0.158 + 2 * 0.038) beats 1 / 0.085
+    assert not drafter.draft_could_pay(EAGER_DRAFT_K, drafter.priors["draft"])
+    drafter.begin(list(range(60)))
+    assert model.began == []
 
 
 class SlowModelDrafter(StubModelDrafter):
