@@ -10,7 +10,7 @@ each call come from decode_plan.plan_calls, a pure function of those rules.
 from __future__ import annotations
 
 import ctypes
-import threading
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -20,6 +20,7 @@ from specdec.backends.base import Backend, check_gguf_file, default_threads
 from specdec.backends.bindings.base import ContextOptions, LlamaBinding
 from specdec.backends.chat_template import render_chat_template
 from specdec.backends.decode_plan import plan_calls
+from specdec.backends.library_thread import library_thread
 from specdec.types import SpecdecError
 
 if TYPE_CHECKING:
@@ -67,28 +68,32 @@ class LlamaFamilyBackend(Backend):
             raise SpecdecError(f"a reduced vocabulary is for draft models on a library that takes embeddings ({self.name}).")
         self.vocabulary = vocabulary
         self._vocab_model = None
-        self._model = binding.load_model(vocabulary.model_path if vocabulary else path,
-                                         repack=repack or proposals_only)
-        if vocabulary is not None and self._model:
-            self._vocab_model = binding.load_model(path, vocab_only=True)
-        if not self._model or (vocabulary is not None and not self._vocab_model):
-            self.close()
-            raise SpecdecError(f"{self.name} could not load {path}: the file is corrupt or not a supported GGUF model.")
-        try:
-            self._open_contexts(n_ctx, n_batch)
-        except BaseException:
-            self.close()
-            raise
+        self._model = None
+        self._batch_capacity = max(n_batch, MIN_BATCH_CAPACITY)
+        # Loading (repacking runs the kernels' threads) on the thread that will decode
+        library_thread.call(self._load, path, n_ctx, n_batch, repack or proposals_only)
         self._vocab = binding.vocab(self._vocab_model or self._model)
         self.vocab_size = binding.n_vocab(self._vocab)
         self._logits_width = len(vocabulary.token_ids) if vocabulary else self.vocab_size
         self.eog_token_ids = frozenset(t for t in range(self.vocab_size) if binding.is_eog(self._vocab, t))
-        self._batch_capacity = max(n_batch, MIN_BATCH_CAPACITY)
-        self._batch = binding.batch_init(self._batch_capacity, max(1, max_sequences),
-                                         vocabulary.n_embd if vocabulary else 0)
         self._pieces: dict[int, bytes] = {}
         self._chat_template = self.metadata("tokenizer.chat_template")
-        self._lock = threading.Lock()  # one llama_decode at a time on this backend's contexts
+
+    def _load(self, path: Path, n_ctx: int, n_batch: int, repack: bool) -> None:
+        binding, vocabulary = self._binding, self.vocabulary
+        self._model = binding.load_model(vocabulary.model_path if vocabulary else path, repack=repack)
+        if vocabulary is not None and self._model:
+            self._vocab_model = binding.load_model(path, vocab_only=True)
+        if not self._model or (vocabulary is not None and not self._vocab_model):
+            self._close()
+            raise SpecdecError(f"{self.name} could not load {path}: the file is corrupt or not a supported GGUF model.")
+        try:
+            self._open_contexts(n_ctx, n_batch)
+            self._batch = binding.batch_init(self._batch_capacity, max(1, self.max_sequences),
+                                             vocabulary.n_embd if vocabulary else 0)
+        except BaseException:
+            self._close()
+            raise
 
     def _open_contexts(self, n_ctx: int, n_batch: int) -> None:
         """One context for all sequences (each with its own KV), or one per sequence sharing the weights."""
@@ -169,43 +174,44 @@ class LlamaFamilyBackend(Backend):
             self._context_of(seq_id)
             if start + len(tokens) > self.n_ctx:
                 raise SpecdecError(f"the sequence would exceed the context of {self.n_ctx} tokens.")
+        return library_thread.call(self._eval_many, requests, prefill)
+
+    def _eval_many(self, requests: Sequence[tuple[int, int, Sequence[int]]], prefill: bool) -> list[np.ndarray]:
         outputs: list[list[np.ndarray]] = [[] for _ in requests]
         binding, batch = self._binding, self._batch
-        with self._lock:
-            for call in plan_calls(requests, prefill=prefill, rules=self.rules, capacity=self._batch_capacity):
-                ctx = self._context_of(call[0].seq_id)[0]
-                if self.vocabulary is not None:
-                    embeddings = self.vocabulary.embeddings([row.token for row in call])
-                    ctypes.memmove(batch.embd, embeddings.ctypes.data, embeddings.nbytes)
-                for i, row in enumerate(call):
-                    if self.vocabulary is None:
-                        batch.token[i] = row.token
-                    batch.pos[i] = row.position
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = self._context_of(row.seq_id)[1]
-                    batch.logits[i] = not prefill  # pads too: rows with logits share the output kernel
-                batch.n_tokens = len(call)
-                rc = binding.decode(ctx, batch, self.rules)
-                if rc != 0:
-                    raise SpecdecError(f"llama_decode failed with code {rc} (no room left in the KV cache?).")
-                pads = [row for row in call if row.pad]
-                if pads:
-                    ctx_of_pad, local_id = self._context_of(pads[0].seq_id)
-                    binding.seq_rm(ctx_of_pad, local_id, pads[0].position)
-                if prefill:
+        for call in plan_calls(requests, prefill=prefill, rules=self.rules, capacity=self._batch_capacity):
+            ctx = self._context_of(call[0].seq_id)[0]
+            if self.vocabulary is not None:
+                embeddings = self.vocabulary.embeddings([row.token for row in call])
+                ctypes.memmove(batch.embd, embeddings.ctypes.data, embeddings.nbytes)
+            for i, row in enumerate(call):
+                if self.vocabulary is None:
+                    batch.token[i] = row.token
+                batch.pos[i] = row.position
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = self._context_of(row.seq_id)[1]
+                batch.logits[i] = not prefill  # pads too: rows with logits share the output kernel
+            batch.n_tokens = len(call)
+            rc = binding.decode(ctx, batch, self.rules)
+            if rc != 0:
+                raise SpecdecError(f"llama_decode failed with code {rc} (no room left in the KV cache?).")
+            pads = [row for row in call if row.pad]
+            if pads:
+                ctx_of_pad, local_id = self._context_of(pads[0].seq_id)
+                binding.seq_rm(ctx_of_pad, local_id, pads[0].position)
+            if prefill:
+                continue
+            for i, row in enumerate(call):
+                if row.pad:
                     continue
-                for i, row in enumerate(call):
-                    if row.pad:
-                        continue
-                    logits = np.ctypeslib.as_array(binding.logits_ith(ctx, i), shape=(self._logits_width,))
-                    outputs[row.request].append(self.vocabulary.full_logits(logits) if self.vocabulary else logits.copy())
+                logits = np.ctypeslib.as_array(binding.logits_ith(ctx, i), shape=(self._logits_width,))
+                outputs[row.request].append(self.vocabulary.full_logits(logits) if self.vocabulary else logits.copy())
         empty = np.zeros((0, self.vocab_size), dtype=np.float32)
         return [np.stack(rows) if rows else empty for rows in outputs]
 
     def truncate(self, seq_id: int, length: int) -> None:
         ctx, local_id = self._context_of(seq_id)
-        with self._lock:
-            self._binding.seq_rm(ctx, local_id, length)
+        library_thread.call(self._binding.seq_rm, ctx, local_id, length)
 
     def describe(self) -> dict:
         return {
@@ -223,6 +229,9 @@ class LlamaFamilyBackend(Backend):
         }
 
     def close(self) -> None:
+        library_thread.call(self._close)
+
+    def _close(self) -> None:
         binding = self._binding
         if self._batch is not None:
             binding.batch_free(self._batch)
@@ -235,6 +244,8 @@ class LlamaFamilyBackend(Backend):
                 setattr(self, model, None)
 
     def __del__(self):
+        if sys.is_finalizing():
+            return  # the library thread may be gone: the process's exit frees everything
         try:
             self.close()
         except Exception:
