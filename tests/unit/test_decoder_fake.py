@@ -46,13 +46,24 @@ def test_speculation_actually_saves_target_forwards():
     assert len(engine.target.eval_calls) < plain_rounds
 
 
+def engine_generation(core):
+    """The generation the core is running (one at a time here), or None once it has ended."""
+    active = list(core._active.values())
+    return active[0].generation if active else None
+
+
 def test_caches_in_step_after_every_round():
     engine = make_engine()
+    core = engine.core
     for method in ["off", "ngram", "draft"]:
-        gen = engine.new_generation(request(engine, method=method, k=5))
-        gen.start()
-        while not gen.finished:
-            gen.step()
+        core.add(request(engine, method=method, k=5))
+        finished = False
+        while not finished:
+            items = core.step()
+            finished = any(getattr(item, "finish_reason", None) for _, item in items)
+            gen = engine_generation(core)
+            if gen is None:
+                break
             # The target caches every committed token except the pending last one.
             assert engine.target.cached_tokens(0) == gen.context[:-1] or gen.finished
             assert engine.target_sequence.tokens == engine.target.cached_tokens(0)

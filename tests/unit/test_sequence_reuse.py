@@ -42,29 +42,24 @@ def test_without_alignment_every_common_token_is_reused():
     assert sequence.reusable_prefix([1, 2, 3, 4, 5, 6, 7]) == 6
 
 
-def test_scheduler_prefill_chunks_stop_on_chunk_boundaries():
+def test_engine_core_prefill_chunks_stop_on_chunk_boundaries():
     backend = ChunkedFakeBackend()
     engine = Engine(backend, n_slots=1)
-    scheduler = Scheduler(engine, ServerConfig(prefill_chunk=6))
     prompt = tuple(range(30, 50))
     request = GenerationRequest(prompt, 4, spec=SpecConfig("off", 0))
     reference = Engine(ChunkedFakeBackend(), n_slots=1).generate(request)
-    # Drive the scheduler's stages by hand: every prefill call must start on a chunk boundary.
-    from specdec.server.scheduler import _Running
-
-    run = _Running(ticket=type("T", (), {"request": request})(), slot=0)
-    scheduler._running[0] = run
-    scheduler._begin(run)
-    starts = []
-    while not scheduler._prefilled(run):
+    # A budget of 6 prompt tokens a step: every prefill call must start on a chunk boundary.
+    core = engine.core
+    core.add(request)
+    starts, tokens, finished = [], [], False
+    while not finished:
         starts.append(len(engine.slots[0].target.tokens))
-        scheduler._prefill_chunk(run, 6)
-    assert all(start % 4 == 0 for start in starts)
-    assert len(starts) > 1
+        for _, item in core.step(prefill_budget=6):
+            tokens += getattr(item, "token_ids", [])
+            finished = finished or getattr(item, "finish_reason", None) is not None
+    prompt_starts = [start for start in starts if start < len(prompt) - 1]
+    assert all(start % 4 == 0 for start in prompt_starts)
+    assert len(prompt_starts) > 1
     prefill_calls = [n for seq, n in backend.eval_calls]
-    assert all(n % 4 == 0 for n in prefill_calls[:-1])
-    generation = run.generation
-    generation.start()
-    while not generation.finished:
-        generation.step()
-    assert generation.token_ids == reference.token_ids
+    assert all(n % 4 == 0 for n in prefill_calls[:len(prompt_starts) - 1])
+    assert tokens == reference.token_ids

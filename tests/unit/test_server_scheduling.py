@@ -204,7 +204,7 @@ def test_a_long_prompt_joining_does_not_stall_a_running_stream():
         scheduler = app.state.specdec.scheduler
         running, result = in_thread(httpx.post, url + "/v1/completions", json=body(max_tokens=400), timeout=30)
         wait_until(lambda: scheduler.num_running == 1)
-        [runner_slot] = scheduler.busy_slots
+        [runner_slot] = engine.core.busy_slots
         engine.target.eval_calls.clear()
         joined = httpx.post(url + "/v1/completions", json=body(prompt=long_prompt, max_tokens=5), timeout=30)
         running.join(30)

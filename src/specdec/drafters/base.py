@@ -21,6 +21,10 @@ class Drafter(ABC):
         """A new generation starts from this prompt; `history` is its tenant's cross-request
         history (None when it has none)."""
 
+    def prefill(self, prompt_prefix: Sequence[int]) -> None:
+        """The target has processed this much of the prompt (a chunk at a time, before `begin`): a
+        drafter with a cache of its own may process it alongside."""
+
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
         """Propose up to k tokens to follow context (fewer, or none, when unsure)."""

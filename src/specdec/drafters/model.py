@@ -49,6 +49,9 @@ class ModelDrafter(Drafter):
     def __init__(self, sequence: CachedSequence):
         self.sequence = sequence
 
+    def prefill(self, prompt_prefix: Sequence[int]) -> None:
+        self.sequence.prefill(list(prompt_prefix))
+
     def begin(self, prompt: Sequence[int], history: Optional[TenantHistory] = None) -> None:
         self.sequence.prefill(list(prompt[:-1]))
 

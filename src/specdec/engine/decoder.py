@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -23,8 +23,8 @@ from specdec.types import GenerationRequest, Proposal, SpecdecError, StreamEvent
 
 
 class Generation:
-    """One request's state. `step()` runs a whole round; a batching scheduler may instead call
-    `plan()`, evaluate the returned tokens on the target itself, and pass the logits to `commit()`."""
+    """One request's state. The engine core (core.py) drives it: `start()` once its prompt is
+    processed, then per round `plan()`, the target's forward over the planned tokens, `commit()`."""
 
     def __init__(
         self,
@@ -32,14 +32,17 @@ class Generation:
         target: CachedSequence,
         drafter: Drafter,
         *,
-        prefix_cache: bool = True,
         clock: Callable[[], float] = time.perf_counter,
         history: Optional[TenantHistory] = None,
     ):
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise SpecdecError("the prompt is empty.")
+        if len(prompt) >= target.backend.n_ctx:
+            raise SpecdecError(f"the prompt has {len(prompt)} tokens but the context holds only {target.backend.n_ctx}.")
         self.request = request
         self.target = target
         self.drafter = drafter
-        self.prefix_cache = prefix_cache
         self.clock = clock
         self.history = history  # the tenant's cross-request history: drafts from it, learns our text
         # Sampling noise: keyed by (seed, position) for the target's own tokens, so off, n-gram
@@ -55,30 +58,23 @@ class Generation:
         self.stats = GenerationStats(method=request.spec.method, num_draft_tokens=k)
         self._k = k
         self._proposal: Optional[Proposal] = None
-        self._verify_seconds: Optional[float] = None  # of this round's forward, when timed alone
         self._started_at = 0.0
+        self.cached_prompt_tokens = 0  # of the prompt, found in the slot's cache when it was admitted
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     # -- stages ------------------------------------------------------------------------------
-    def start(self, started_at: Optional[float] = None, cached_prompt_tokens: Optional[int] = None) -> None:
-        """Process the prompt. A scheduler that already processed part of it in chunks passes
-        when it began (`started_at`) and how much of it was found cached."""
+    def start(self, started_at: Optional[float] = None) -> None:
+        """Begin generating once the prompt is processed: the core processed it in chunks from
+        `started_at` on (this processes whatever it left, normally nothing)."""
         prompt = self.request.prompt_token_ids
-        n_ctx = self.target.backend.n_ctx
-        if not prompt:
-            raise SpecdecError("the prompt is empty.")
-        if len(prompt) >= n_ctx:
-            raise SpecdecError(f"the prompt has {len(prompt)} tokens but the context holds only {n_ctx}.")
         self._started_at = self.clock() if started_at is None else started_at
-        if not self.prefix_cache:
-            self.target.clear()
-        reused = self.target.prefill(prompt[:-1])
+        self.target.prefill(prompt[:-1])
         self.drafter.begin(prompt, self.history)
         self.stats.prompt_tokens = len(prompt)
-        self.stats.cached_prompt_tokens = reused if cached_prompt_tokens is None else cached_prompt_tokens
+        self.stats.cached_prompt_tokens = self.cached_prompt_tokens
         self.stats.prompt_seconds = self.clock() - self._started_at
         if self.request.max_tokens is not None and self.request.max_tokens <= 0:
             self._finish("length")
@@ -100,8 +96,6 @@ class Generation:
         """Accept a prefix of the proposal given the target's logits [k + 1, vocab]; roll back the rest.
         `alone_seconds`: the forward's time when it evaluated this sequence alone (it updates the
         cost model of `auto`)."""
-        if alone_seconds is not None:
-            self._verify_seconds = alone_seconds
         proposal = self._proposal
         draft_tokens = proposal.draft_tokens
         k = len(draft_tokens)
@@ -116,8 +110,7 @@ class Generation:
             verdict = verify(draft_tokens, proposal.draft_probs,
                              lambda i: token_distribution(target_logits[i], sampling), self.rng)
         self.stats.record_round(k, verdict.num_accepted, proposal.source)
-        self.drafter.observe(proposal, verdict.num_accepted, self._verify_seconds)
-        self._verify_seconds = None
+        self.drafter.observe(proposal, verdict.num_accepted, alone_seconds)
         # Keep pending + the accepted drafts; the next token becomes the new pending one.
         self.target.truncate(len(self.context) + verdict.num_accepted)
         new_tokens: list[int] = []
@@ -130,14 +123,6 @@ class Generation:
         if self.stats.ttft_seconds is None:
             self.stats.ttft_seconds = self.clock() - self._started_at
         return self._event(new_tokens)
-
-    def step(self) -> StreamEvent:
-        tokens = self.plan()
-        t0 = self.clock()
-        logits = self.target.extend(tokens)
-        self._verify_seconds = self.clock() - t0
-        self.stats.verify_seconds += self._verify_seconds
-        return self.commit(logits)
 
     def cancel(self) -> StreamEvent:
         self._finish("cancelled")
@@ -176,11 +161,3 @@ class Generation:
             return StreamEvent(delta, new_tokens, self.finish_reason, self.stats.as_dict())
         return StreamEvent(delta, new_tokens)
 
-
-def run_to_completion(generation: Generation) -> Iterator[StreamEvent]:
-    generation.start()
-    if generation.finished:
-        yield generation._event([])
-        return
-    while not generation.finished:
-        yield generation.step()

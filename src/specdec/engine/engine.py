@@ -12,7 +12,8 @@ from specdec.drafters.history import CrossRequestCache
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine.cost_model import CostModel, calibrate
-from specdec.engine.decoder import Generation, run_to_completion
+from specdec.engine.core import EngineCore
+from specdec.engine.decoder import Generation
 from specdec.engine.sequence import CachedSequence
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent
 
@@ -59,6 +60,7 @@ class Engine:
         self.slots = [self._make_slot(seq_id) for seq_id in range(n_slots)]
         self.cost_model: Optional[CostModel] = None  # measured on first use of `auto`
         self.cross_request = CrossRequestCache()
+        self.core = EngineCore(self)  # the one driver of its slots, for every caller
 
     def _make_slot(self, seq_id: int) -> Slot:
         drafters: dict[str, Drafter] = {
@@ -115,20 +117,14 @@ class Engine:
         if drafter is None:
             raise SpecdecError(f"method {request.spec.method!r} needs a draft model; start with --draft-model.")
         history = self.cross_request.for_tenant(request.tenant) if self.config.cross_request_ngrams else None
-        return Generation(request, chosen.target, drafter, prefix_cache=self.config.prefix_cache, clock=self.clock,
-                          history=history)
+        return Generation(request, chosen.target, drafter, clock=self.clock, history=history)
 
     def stream(self, request: GenerationRequest) -> Iterator[StreamEvent]:
-        return run_to_completion(self.new_generation(request))
+        """One request alone, through the engine core (as every caller drives it)."""
+        return self.core.stream(request)
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
-        text, token_ids = [], []
-        for event in self.stream(request):
-            text.append(event.text)
-            token_ids.extend(event.token_ids)
-            if event.finish_reason is not None:
-                return GenerationResult("".join(text), token_ids, event.finish_reason, event.stats or {})
-        raise AssertionError("generation ended without a final event")
+        return self.core.generate(request)
 
     def clear_cache(self) -> None:
         """Forget every cached prefix (the benchmark does this before each measured generation)."""

@@ -1,18 +1,15 @@
-"""Continuous batching: one worker thread owns the engine and serves every slot at once.
+"""Continuous batching: one worker thread drives the engine core (engine/core.py) for every slot.
 
 Each iteration the worker
-  1. admits waiting requests into free slots, choosing the slot whose cache shares the longest
-     prefix with the new prompt (prefix caching: a chat's history or a common system prompt is
-     not processed again),
-  2. cancels generations whose client went away, whose time is up or which something else ended
+  1. admits waiting requests while the core has a free slot (the core picks the slot whose cache
+     shares the longest prefix with the prompt),
+  2. aborts generations whose client went away, whose time is up or which something else ended
      (the watchdog, the drain), freeing their slots,
-  3. prefills prompts in chunks of at most `prefill_chunk` tokens per iteration, so a long prompt
-     joining does not stall the others,
-  4. asks every running generation for its plan (pending token + drafts) and verifies all of
-     them in ONE batched target forward (`Backend.eval_many`), then commits each.
-The engine work of these steps is engine/batch.py's; this module keeps the queue, the tickets,
-the deadlines and the mapping of failures to errors.
-Events reach each request's asyncio queue through `loop.call_soon_threadsafe`.
+  3. runs one `core.step()`: prompt chunks, then every running generation's round in one shared
+     target forward; and hands each request's items to its ticket.
+This module keeps the queue, the tickets, the deadlines and the mapping of failures to errors; it
+never reads a slot's cache. Events reach each request's asyncio queue through
+`loop.call_soon_threadsafe`.
 
 A backend call may never return; the worker then cannot keep time. The watchdog (watchdog.py)
 does it from its own thread through the `*_from_outside` methods below, which touch only
@@ -28,17 +25,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from specdec.engine import batch
-from specdec.engine.decoder import Generation
+from specdec.engine import core
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.errors import APIError, bad_request
 from specdec.server.tickets import (
-    CLIENT_GONE, INTERNAL_ERROR, Failed, QueueFull, Refused, Started, Ticket, not_accepting_error,
-    queue_timeout_error, shutting_down_error, stalled_error,
+    CLIENT_GONE, INTERNAL_ERROR, Failed, QueueFull, Refused, Ticket, not_accepting_error, queue_timeout_error,
+    shutting_down_error, stalled_error,
 )
 from specdec.server.watchdog import WORKER_DIED, Watchdog
-from specdec.types import GenerationRequest, SpecdecError, StreamEvent
+from specdec.types import GenerationRequest, StreamEvent
 
 logger = logging.getLogger("specdec.server")
 
@@ -52,10 +48,7 @@ class Health:
 @dataclass
 class _Running:
     ticket: Ticket
-    slot: int
-    generation: Optional[Generation] = None
-    admitted_at: float = 0.0  # engine clock
-    cached_prompt_tokens: int = 0
+    handle: int  # the engine core's
     started: bool = False
     first_token_at: Optional[float] = None
 
@@ -63,13 +56,14 @@ class _Running:
 class Scheduler:
     def __init__(self, engine: Engine, config: ServerConfig, metrics=None, clock: Callable[[], float] = time.monotonic):
         self.engine = engine
+        self.core = engine.core
+        self.n_slots = len(engine.slots)
         self.config = config
         self.metrics = metrics
         self.clock = clock
         self._cond = threading.Condition()
         self._waiting: deque[Ticket] = deque()
-        self._running: dict[int, _Running] = {}  # slot index -> its generation
-        self._last_used = [0.0] * len(engine.slots)
+        self._running: dict[int, _Running] = {}  # the core's handle -> its request
         self._draining = False
         self._stopping = False
         self._stalled: Optional[str] = None  # why the backend is deemed stuck; None while it answers
@@ -85,11 +79,6 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
-
-    @property
-    def busy_slots(self) -> list[int]:
-        with self._cond:
-            return sorted(self._running)
 
     @property
     def draining(self) -> bool:
@@ -126,7 +115,7 @@ class Scheduler:
         ticket = Ticket(request, loop, now, now + self.config.request_timeout, self._wake)
         with self._cond:
             self._check_accepting()
-            free_slots = len(self.engine.slots) - len(self._running)
+            free_slots = self.n_slots - len(self._running)
             if len(self._waiting) >= self.config.max_queue + max(0, free_slots):
                 raise QueueFull()
             self._waiting.append(ticket)
@@ -178,7 +167,8 @@ class Scheduler:
     # -- called from the watchdog's thread -----------------------------------------------------
     def busy(self) -> Optional[tuple[float, str]]:
         """(since, stage) of the worker's current iteration, or None while it waits for work."""
-        return self._busy
+        busy = self._busy
+        return None if busy is None else (busy[0], self.core.stage or busy[1])
 
     def expire_waiting_from_outside(self) -> None:
         """The queue-wait time limit and departed clients, for requests still waiting for a slot."""
@@ -201,8 +191,8 @@ class Scheduler:
                        if not run.ticket.closed and now >= run.ticket.deadline + late_by]
         for run in overdue:
             run.ticket.timed_out = True
-            if run.started and run.generation is not None:
-                run.ticket.post(StreamEvent("", [], "cancelled", _stats_snapshot(run.generation)))
+            if run.started:
+                run.ticket.post(StreamEvent("", [], "cancelled", self.core.stats_of(run.handle)))
             else:
                 run.ticket.post(Failed(self._timeout_error()))
 
@@ -252,20 +242,19 @@ class Scheduler:
             for ticket in self._take_waiting(lambda t: t.cancelled or t.closed):
                 ticket.post(Failed(CLIENT_GONE))  # dropped if the watchdog already ended it
             with self._cond:
-                admitted = self._admit()
+                self._admit()
             try:
                 self._busy = (self.clock(), "admitting")
-                for run in admitted:
-                    self._guarded(run, self._begin, run)
                 self._sweep()
-                self._busy = (self._busy[0], "prompt processing")
-                self._prefill()
-                self._busy = (self._busy[0], "decoding")
-                self._decode()
-            except Exception:  # a backend failure in a batched forward: fail what is in flight, keep serving
+                for handle, item in self.core.step(self.config.prefill_chunk, self.config.batch_verify):
+                    run = self._running.get(handle)
+                    if run is not None:
+                        self._hand_over(run, item)
+            except Exception:  # a bug of ours in an iteration: fail what is in flight, keep serving
                 logger.exception("scheduler iteration failed")
                 for run in list(self._running.values()):
-                    self._release(run, error=INTERNAL_ERROR, reset=True)
+                    self._release(run, error=INTERNAL_ERROR)
+                self.core.reset()
             finally:
                 with self._cond:  # against mark_stalled: it sees this iteration running or ended
                     self._busy = None
@@ -277,39 +266,16 @@ class Scheduler:
     def _recover(self) -> None:
         """The stuck call returned: its requests were already failed; serve again."""
         logger.warning("the backend answered again after a stall (%s); serving again", self._stalled)
-        stuck_slots = list(self._running)
         self._sweep()  # frees the slots of the requests failed meanwhile
-        for slot in stuck_slots:
-            self._reset_slot(slot)  # whatever the stuck call left in their caches is not trusted
+        self.core.reset()  # whatever the stuck call left in the caches is not trusted
         with self._cond:
             self._stalled = None
 
-    def _admit(self) -> list[_Running]:
-        admitted = []
-        while self._waiting and len(self._running) < len(self.engine.slots):
+    def _admit(self) -> None:
+        while self._waiting and self.core.free_slots:
             ticket = self._waiting.popleft()
-            prompt = ticket.request.prompt_token_ids[:-1]
-            free = [i for i in range(len(self.engine.slots)) if i not in self._running]
-            slot = max(free, key=lambda i: (self.engine.slots[i].target.reusable_prefix(prompt),
-                                            -self._last_used[i]))
-            run = self._running[slot] = _Running(ticket, slot)
-            admitted.append(run)
-        return admitted
-
-    def _guarded(self, run: _Running, stage: Callable, *args):
-        """Run one request's stage; if it fails, only that request fails (400 for bad input)."""
-        try:
-            return stage(*args)
-        except SpecdecError as exc:
-            self._release(run, error=bad_request(str(exc)), reset=True)
-        except Exception:
-            logger.exception("generation failed in %s", getattr(stage, "__name__", "a stage"))
-            self._release(run, error=INTERNAL_ERROR, reset=True)
-        return None
-
-    def _begin(self, run: _Running) -> None:
-        request = run.ticket.request
-        run.generation, run.admitted_at, run.cached_prompt_tokens = batch.begin(self.engine, request, run.slot)
+            handle = self.core.add(ticket.request)
+            self._running[handle] = _Running(ticket, handle)
 
     def _sweep(self) -> None:
         """End the generations whose client left, whose time is up, or that someone else ended."""
@@ -320,52 +286,21 @@ class Scheduler:
                 continue
             if not (ticket.cancelled or ticket.closed):
                 ticket.timed_out = True
-            if run.started and run.generation is not None:
+            final = self.core.abort(run.handle)
+            if final is not None:
                 # Its final event: the text so far, "length" on a time limit (dropped if already ended).
-                self._deliver(run, run.generation.cancel())
+                self._deliver(run, final)
             else:
                 self._release(run, error=self._timeout_error() if ticket.timed_out else CLIENT_GONE)
 
-    def _prefill(self) -> None:
-        budget = self.config.prefill_chunk
-        for run in list(self._running.values()):
-            if run.started or run.generation is None:
-                continue
-            if self.engine.config.prefix_cache:
-                if budget <= 0:
-                    break
-                budget -= self._guarded(run, self._prefill_chunk, run, budget) or 0
-                if run.slot not in self._running or not self._prefilled(run):
-                    continue
-            self._guarded(run, self._start, run)
-
-    def _prefilled(self, run: _Running) -> bool:
-        return batch.prompt_done(self.engine, run.slot, run.ticket.request)
-
-    def _prefill_chunk(self, run: _Running, budget: int) -> int:
-        return batch.prefill_chunk(self.engine, run.slot, run.ticket.request, budget)
-
-    def _start(self, run: _Running) -> None:
-        generation = run.generation
-        # The chunked prefill above is part of this generation's prompt processing.
-        generation.start(started_at=run.admitted_at, cached_prompt_tokens=run.cached_prompt_tokens)
-        run.started = True
-        run.ticket.post(Started(len(run.ticket.request.prompt_token_ids), run.cached_prompt_tokens))
-        if generation.finished:  # nothing to generate (max_tokens 0): cancel() returns its final event
-            self._deliver(run, generation.cancel())
-
-    def _decode(self) -> None:
-        running, plans = [], []
-        for run in [run for run in self._running.values() if run.started and not run.generation.finished]:
-            tokens = self._guarded(run, run.generation.plan)  # drafting: per sequence
-            if tokens is not None:
-                running.append(run)
-                plans.append(tokens)
-        if not running:
-            return
-        events = batch.verify_batch(self.engine, [run.generation for run in running], plans, self.config.batch_verify)
-        for run, event in zip(running, events):  # each delivered as soon as it is committed
-            self._deliver(run, event)
+    def _hand_over(self, run: _Running, item: core.Item) -> None:
+        if isinstance(item, core.Started):
+            run.started = True
+            run.ticket.post(item)
+        elif isinstance(item, core.Failed):
+            self._release(run, error=bad_request(str(item.error)) if item.bad_input else INTERNAL_ERROR)
+        else:
+            self._deliver(run, item)
 
     def _deliver(self, run: _Running, event: StreamEvent) -> None:
         if event.token_ids and run.first_token_at is None:
@@ -388,25 +323,13 @@ class Scheduler:
             return "error"  # a stall, or the drain's grace period: the client got an error
         return "timeout" if run.ticket.timed_out else "abort"
 
-    def _release(self, run: _Running, error: Optional[APIError] = None, reset: bool = False) -> None:
+    def _release(self, run: _Running, error: Optional[APIError] = None) -> None:
+        """The request is over here; the core frees its slot (already freed if it ended there)."""
         if error is not None:
             run.ticket.post(Failed(error))
-        if reset:
-            self._reset_slot(run.slot)
+        self.core.abort(run.handle)
         with self._cond:
-            self._running.pop(run.slot, None)
-            self._last_used[run.slot] = self.clock()
-
-    def _reset_slot(self, index: int) -> None:
-        """Forget a slot's caches after a failure left them in an unknown state."""
-        slot = self.engine.slots[index]
-        for sequence in (slot.target, slot.draft):
-            if sequence is not None:
-                try:
-                    sequence.clear()
-                except Exception:
-                    logger.exception("could not reset slot %d", index)
-                    sequence.tokens.clear()
+            self._running.pop(run.handle, None)
 
     def _timeout_error(self) -> APIError:
         return queue_timeout_error(self.config.request_timeout, self.config.retry_after)
@@ -418,16 +341,8 @@ class Scheduler:
             ticket.post(Failed(error))
         for run in list(self._running.values()):
             run.ticket.post(Failed(error))
-            if run.started and run.generation is not None and not run.generation.finished:
-                self._deliver(run, run.generation.cancel())
+            final = self.core.abort(run.handle)
+            if final is not None:
+                self._deliver(run, final)
             else:
                 self._release(run)
-
-
-def _stats_snapshot(generation: Generation) -> dict:
-    """A generation's statistics read from another thread while the worker is stuck in a backend
-    call (so nothing is changing them); {} in the unlikely case they change under us."""
-    try:
-        return generation.stats.as_dict()
-    except RuntimeError:
-        return {}

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from specdec.engine.core import Started  # what a ticket receives once its prompt is processed
 from specdec.server.errors import APIError
 from specdec.types import GenerationRequest, StreamEvent
 
@@ -28,14 +29,6 @@ class Refused(Exception):
     def __init__(self, error: APIError):
         super().__init__(error.message)
         self.error = error
-
-
-@dataclass(frozen=True)
-class Started:
-    """The prompt is processed; tokens follow."""
-
-    prompt_tokens: int
-    cached_prompt_tokens: int
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,297 @@
+"""The engine core: the one driver of decode rounds, for every caller.
+
+`specdec generate` and `specdec bench` drive it with one request at a time, the server's
+scheduler and each Ray replica with as many as there are slots; all of them the same way:
+
+    handle = core.add(request)      # into the free slot whose cache shares most of its prompt
+    for handle, item in core.step():   # one round for every request in a slot
+        ...                         # Started, then StreamEvents (the last has finish_reason), or Failed
+    core.abort(handle)              # the client went away or its time is up
+
+One `step()` admits the requests added since the last one (reusing the cached prefix of their
+prompts), processes up to `prefill_budget` prompt tokens in whole aligned chunks (a long prompt
+joining does not stall the others), then asks every started generation for its plan (pending
+token + drafts) and verifies them all in ONE target forward, timed here and nowhere else.
+A request's failure is its own (its slot is reset); a failed shared forward fails those in it.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
+
+from specdec.engine.decoder import Generation
+from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent
+
+if TYPE_CHECKING:
+    from specdec.engine.engine import Engine
+
+logger = logging.getLogger("specdec.engine")
+
+DEFAULT_PREFILL_BUDGET = 512  # prompt tokens per step, for every prompt being processed together
+
+
+@dataclass(frozen=True)
+class Started:
+    """The prompt is processed; tokens follow."""
+
+    prompt_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request ended with an error: `error` is a SpecdecError for bad input, anything else
+    for a failure of ours."""
+
+    error: BaseException
+
+    @property
+    def bad_input(self) -> bool:
+        return isinstance(self.error, SpecdecError)
+
+
+Item = Union[Started, StreamEvent, Failed]
+
+
+class NoFreeSlot(Exception):
+    """add() was called while every slot is busy: the caller keeps its own queue."""
+
+
+@dataclass
+class _Active:
+    request: GenerationRequest
+    slot: int
+    added_at: float
+    generation: Optional[Generation] = None  # None until admitted
+    started: bool = False
+
+
+class EngineCore:
+    def __init__(self, engine: "Engine", clock: Optional[Callable[[], float]] = None):
+        self.engine = engine
+        self.clock = clock or engine.clock
+        self._active: dict[int, _Active] = {}  # handle -> its request, in admission order
+        self._last_used = [0.0] * len(engine.slots)
+        self._handles = itertools.count(1)
+        # What the current step is doing, read by a watchdog on another thread ("" when idle).
+        self.stage = ""
+
+    # -- the interface -----------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return len(self.engine.slots) - len(self._active)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._active)
+
+    @property
+    def busy_slots(self) -> list[int]:
+        return sorted(active.slot for active in list(self._active.values()))
+
+    def add(self, request: GenerationRequest) -> int:
+        """Take a request into a free slot (it starts at the next step); returns its handle."""
+        if not self.free_slots:
+            raise NoFreeSlot()
+        taken = {active.slot for active in self._active.values()}
+        prompt = request.prompt_token_ids[:-1]
+        free = [i for i in range(len(self.engine.slots)) if i not in taken]
+        slot = max(free, key=lambda i: (self.engine.slots[i].target.reusable_prefix(prompt), -self._last_used[i]))
+        handle = next(self._handles)
+        self._active[handle] = _Active(request, slot, self.clock())
+        return handle
+
+    def abort(self, handle: int) -> Optional[StreamEvent]:
+        """End a request now and free its slot; its final event (the text so far, finish_reason
+        "cancelled", its stats) if its generation had started, else None."""
+        active = self._active.pop(handle, None)
+        if active is None:
+            return None
+        self._last_used[active.slot] = self.clock()
+        if active.started and active.generation is not None and not active.generation.finished:
+            return active.generation.cancel()
+        return None
+
+    def reset(self) -> None:
+        """Forget every slot's caches (after a stuck backend call returned: their state is not trusted)."""
+        for index in range(len(self.engine.slots)):
+            self._reset_slot(index)
+
+    def stats_of(self, handle: int) -> dict:
+        """A running request's statistics so far ({} if it has none); safe to call from another
+        thread while a step is stuck in a backend call."""
+        active = self._active.get(handle)
+        try:
+            return active.generation.stats.as_dict() if active and active.generation else {}
+        except RuntimeError:  # changed under us
+            return {}
+
+    def step(self, prefill_budget: int = DEFAULT_PREFILL_BUDGET, batched: bool = True) -> list[tuple[int, Item]]:
+        """One round for every request in a slot. `batched`: every generation's plan in one target
+        forward; else one forward each (for backends whose batched logits are not exact)."""
+        items: list[tuple[int, Item]] = []
+        try:
+            self.stage = "admitting"
+            for handle, active in list(self._active.items()):
+                if active.generation is None:
+                    self._guarded(items, handle, self._begin, active)
+            self.stage = "prompt processing"
+            self._prefill(items, prefill_budget)
+            self.stage = "decoding"
+            self._decode(items, batched)
+        finally:
+            self.stage = ""
+        for handle, item in items:
+            if isinstance(item, Failed) or (isinstance(item, StreamEvent) and item.finish_reason is not None):
+                self._release(handle)
+        return items
+
+    # -- one caller at a time, to the end --------------------------------------------------------
+    def stream(self, request: GenerationRequest) -> Iterator[StreamEvent]:
+        """One request driven alone to its end: its events; a failure is raised."""
+        handle = self.add(request)
+        try:
+            while True:
+                for _, item in self.step():
+                    if isinstance(item, Failed):
+                        raise item.error
+                    if isinstance(item, StreamEvent):
+                        yield item
+                        if item.finish_reason is not None:
+                            return
+        finally:
+            self.abort(handle)  # a no-op once finished; frees the slot if the caller stopped early
+
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        text, token_ids = [], []
+        for event in self.stream(request):
+            text.append(event.text)
+            token_ids.extend(event.token_ids)
+            if event.finish_reason is not None:
+                return GenerationResult("".join(text), token_ids, event.finish_reason, event.stats or {})
+        raise AssertionError("generation ended without a final event")
+
+    # -- stages ------------------------------------------------------------------------------
+    def _begin(self, active: _Active) -> None:
+        engine = self.engine
+        active.generation = engine.new_generation(active.request, slot=active.slot)
+        target = engine.slots[active.slot].target
+        if engine.config.prefix_cache:
+            active.generation.cached_prompt_tokens = target.reuse_prefix(active.request.prompt_token_ids[:-1])
+        else:
+            target.clear()
+
+    def _prefill(self, items: list, budget: int) -> None:
+        for handle, active in list(self._active.items()):
+            if active.started or active.generation is None:
+                continue
+            if budget <= 0:
+                break
+            budget -= self._guarded(items, handle, self._prefill_chunk, active, budget) or 0
+            if not self._failed(items, handle) and self._prompt_done(active):
+                items.extend((handle, item) for item in self._guarded(items, handle, self._start, active) or ())
+
+    def _prefill_chunk(self, active: _Active, budget: int) -> int:
+        """Up to `budget` more prompt tokens of this request, in whole aligned chunks but the last.
+
+        Example: a 300-token prompt, 0 cached, budget 128, alignment 64: tokens [0, 128) now, and
+        [128, 256), [256, 299) in the next steps (the last chunk ends with the prompt)."""
+        prefix = active.request.prompt_token_ids[:-1]
+        slot = self.engine.slots[active.slot]
+        done = len(slot.target.tokens)
+        end = min(len(prefix), done + budget)
+        if end < len(prefix) and slot.target.alignment > 1:
+            end = max(done, end // slot.target.alignment * slot.target.alignment)  # whole chunks (sequence.py)
+        if end > done:
+            slot.target.prefill(prefix[:end])
+        active.generation.drafter.prefill(prefix[:end])  # a draft model keeps its cache in step itself
+        return end - done
+
+    def _prompt_done(self, active: _Active) -> bool:
+        return len(self.engine.slots[active.slot].target.tokens) >= len(active.request.prompt_token_ids) - 1
+
+    def _start(self, active: _Active) -> list[Item]:
+        generation = active.generation
+        generation.start(started_at=active.added_at)
+        active.started = True
+        items: list[Item] = [Started(len(active.request.prompt_token_ids), generation.cached_prompt_tokens)]
+        if generation.finished:  # nothing to generate (max_tokens 0): cancel() returns its final event
+            items.append(generation.cancel())
+        return items
+
+    def _decode(self, items: list, batched: bool) -> None:
+        running, plans = [], []
+        for handle, active in self._active.items():
+            if active.started and not active.generation.finished and not self._failed(items, handle):
+                tokens = self._guarded(items, handle, active.generation.plan)  # drafting: per sequence
+                if tokens is not None:
+                    running.append(handle)
+                    plans.append(tokens)
+        if not running:
+            return
+        generations = [self._active[handle].generation for handle in running]
+        try:
+            for handle, event in zip(running, self._verify(generations, plans, batched)):
+                items.append((handle, event))
+        except Exception as exc:  # a failed shared forward: what was in it fails, the rest goes on
+            logger.exception("a verification forward failed")
+            done = {handle for handle, _ in items}
+            for handle in running:
+                if handle not in done:
+                    items.append((handle, Failed(exc)))
+                    self._reset_slot(self._active[handle].slot)
+
+    def _verify(self, generations: list[Generation], plans: list[list[int]], batched: bool) -> Iterator[StreamEvent]:
+        """Each generation's plan evaluated on the target, timed, and committed (in order)."""
+        requests = [(g.target.seq_id, len(g.target.tokens), tokens) for g, tokens in zip(generations, plans)]
+        target, clock = self.engine.target, self.clock
+        if batched:
+            t0 = clock()
+            rows = target.eval_many(requests)
+            seconds = [clock() - t0] * len(requests)
+        else:
+            rows, seconds = [], []
+            for request in requests:
+                t0 = clock()
+                rows.append(target.eval(*request))
+                seconds.append(clock() - t0)
+        alone = len(requests) == 1 or not batched  # a shared forward times no one sequence
+        for generation, tokens, logits, spent in zip(generations, plans, rows, seconds):
+            generation.target.record(tokens)
+            generation.stats.verify_seconds += spent
+            yield generation.commit(logits, spent if alone else None)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _guarded(self, items: list, handle: int, stage: Callable, *args):
+        """Run one request's stage and return its result; if it fails, only that request fails."""
+        try:
+            return stage(*args)
+        except Exception as exc:
+            if not isinstance(exc, SpecdecError):
+                logger.exception("generation failed in %s", getattr(stage, "__name__", "a stage"))
+            items.append((handle, Failed(exc)))
+            self._reset_slot(self._active[handle].slot)
+            return None
+
+    @staticmethod
+    def _failed(items: list, handle: int) -> bool:
+        return any(h == handle and isinstance(item, Failed) for h, item in items)
+
+    def _release(self, handle: int) -> None:
+        active = self._active.pop(handle, None)
+        if active is not None:
+            self._last_used[active.slot] = self.clock()
+
+    def _reset_slot(self, index: int) -> None:
+        """Forget a slot's caches after a failure left them in an unknown state."""
+        slot = self.engine.slots[index]
+        for sequence in (slot.target, slot.draft):
+            if sequence is not None:
+                try:
+                    sequence.clear()
+                except Exception:
+                    logger.exception("could not reset slot %d", index)
+                    sequence.tokens.clear()
+
