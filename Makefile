@@ -10,18 +10,18 @@ install-test:
 models: install
 	.venv/bin/specdec models pull
 
-# Once per machine: where more than one exact backend is installed, measure them and save the
-# fastest as this machine's default (three calibrations each, in turn, medians compared; about three
-# minutes; kept until the CPU or specdec changes).
+# Optional: measure every installed exact configuration (mainline too, with SPECDEC_MAINLINE=1 make
+# install) and save the fastest as this machine's default (three calibrations each, in turn,
+# medians compared; about three minutes). Without it, the rule of runtime.default_config holds.
 profile: models
 	.venv/bin/specdec calibrate --configs exact --save --if-missing
 
 # The main job: the OpenAI-compatible server on the default pair, http://127.0.0.1:8000/v1.
-serve: profile
+serve: models
 	.venv/bin/specdec serve
 
 # A single generation on the default pair, streamed, with its stats.
-demo: profile
+demo: models
 	.venv/bin/specdec generate --chat --max-tokens 96 \
 	  "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 

@@ -4,7 +4,7 @@
 #   scripts/install.sh test   everything the tests use: both backends, torch's CPU build, Ray Serve, test tools
 #
 #   ik_llama.cpp   ik-llama-cpp-python built from PyPI's sdist with specdec's patch (x86_64,
-#                  AVX2 kernels, as PyPI's prebuilt wheel; 3.6 minutes on a 2-core Zen 4; cached).
+#                  AVX2 or AVX-512 kernels; minutes, cached; the main job does it in the background).
 #   llama.cpp      llama-cpp-python built from source for this CPU with specdec's exactness switch
 #                  (about 6 minutes on a 2-core Zen 4, 11 on a Zen 3; the wheel is cached).
 #
@@ -22,7 +22,7 @@ LLAMA_CPP_PYTHON_VERSION=0.3.36
 IK_LLAMA_CPP_PYTHON_VERSION=0.1.5  # as pinned in pyproject.toml
 TORCH_VERSION=2.13.0  # as pinned in pyproject.toml's torch extra
 PATCH_LEVEL=1  # bump when scripts/patch_llama_cpp.sh changes
-IK_PATCH_LEVEL=2  # bump when scripts/patch_ik_llama_cpp.sh changes
+IK_PATCH_LEVEL=4  # bump when scripts/patch_ik_llama_cpp.sh changes
 SPECDEC_HOME=${SPECDEC_HOME:-$HOME/.cache/specdec}
 
 if [ ! -x .venv/bin/python ]; then
@@ -51,54 +51,71 @@ assert any(marker.encode() in p.read_bytes() for p in lib.glob(pattern)), "unpat
 PY
 }
 
-# -- ik_llama.cpp: built from its sdist with specdec's patch, else the prebuilt wheel -----------
+# -- ik_llama.cpp: specdec's build from its sdist, PyPI's wheel until it is ready ----------------
 # The patch (scripts/patch_ik_llama_cpp.sh) makes one-row steps on repacked weights sum like
 # batched rows, so that the fastest plain decoding and batched verification agree bit for bit.
-# Built for the wheel's instruction set (AVX2, FMA, F16C: it runs wherever the wheel runs, so a
-# cached build moves between CPUs safely; an AVX-512 build measured no faster on a Zen 4,
-# docs/benchmarks.md), without the flash-attention kernels for quantized KV caches (specdec runs
-# ik without flash attention). Where the build fails the prebuilt wheel is installed (repacked
-# one-row steps are then padded) and the main job does not try again until $ik_wheel_dir/FAILED
-# is removed; the tests insist on the build.
-ik_cmake_args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_IQK_FA_ALL_QUANTS=OFF -DCMAKE_INSTALL_RPATH=\$ORIGIN"
+# Built for the instruction sets this CPU has of the two ik's kernels know: AVX2 (FMA, F16C), or
+# AVX-512 with VNNI, VL, BW and DQ (ik compiles its AVX-512 matrix kernels only with all five);
+# the flags are named, never -march=native, and the build says which it needs (lib/cpu-flags),
+# so a cached build never runs on a CPU without them. No flash-attention kernels for quantized
+# KV caches (specdec runs ik without flash attention).
+# The main job never waits for the compiler (minutes; most of 16 on a 2-core Zen 3): it installs
+# PyPI's prebuilt wheel at once and builds in the background; the server switches to the build
+# when it is done (server/upgrade.py) and later starts use it. The tests build in the foreground.
+ik_cpu_flags="avx2 fma f16c"
+ik_cmake_args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+if has avx512f && has avx512bw && has avx512vl && has avx512dq && has avx512_vnni; then
+  ik_cpu_flags+=" avx512f avx512bw avx512vl avx512dq avx512_vnni"
+  ik_cmake_args+=" -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DCMAKE_C_FLAGS='-mavx512vl -mavx512dq' -DCMAKE_CXX_FLAGS='-mavx512vl -mavx512dq'"
+  has avx512vbmi && { ik_cpu_flags+=" avx512vbmi"; ik_cmake_args+=" -DGGML_AVX512_VBMI=ON"; }
+  has avx512_bf16 && { ik_cpu_flags+=" avx512_bf16"; ik_cmake_args+=" -DGGML_AVX512_BF16=ON"; }
+else
+  ik_cmake_args+=" -DGGML_AVX512=OFF"
+fi
+ik_cmake_args+=" -DGGML_IQK_FA_ALL_QUANTS=OFF -DCMAKE_INSTALL_RPATH=\$ORIGIN"
 ik_wheel_dir=$(build_dir ik-llama-cpp-python "$IK_LLAMA_CPP_PYTHON_VERSION" "$IK_PATCH_LEVEL" "$ik_cmake_args")
-ik_patched() {  # the marker of the patch's newest part (an older build is rebuilt)
-  patched_build_installed ik-llama-cpp-python "$IK_LLAMA_CPP_PYTHON_VERSION" ik_llama_cpp "libllama.so" specdec_embeddings_one_row
+ik_pending="$SPECDEC_HOME/builds/ik-pending"  # names the folder of a build the server may switch to
+ik_lib_dir() { .venv/bin/python -c 'import ik_llama_cpp, os; print(os.path.dirname(ik_llama_cpp.__file__) + "/lib")' 2>/dev/null; }
+ik_patched() {  # this very build (version, patch level, flags) is the one installed
+  [ "$(cat "$(ik_lib_dir)/specdec-build" 2>/dev/null)" = "$(basename "$ik_wheel_dir")" ]
 }
-
-build_ik() {
-  echo "specdec: building ik_llama.cpp $IK_LLAMA_CPP_PYTHON_VERSION with specdec's patch (a few minutes, once)" >&2
-  local work
-  work=$(mktemp -d)
-  .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d "$work" "ik-llama-cpp-python==$IK_LLAMA_CPP_PYTHON_VERSION" &&
-    tar -xzf "$work"/ik_llama_cpp_python-*.tar.gz -C "$work" &&
-    bash scripts/patch_ik_llama_cpp.sh "$(ls -d "$work"/ik_llama_cpp_python-*/)" &&
-    mkdir -p "$ik_wheel_dir" &&
-    CMAKE_ARGS="$ik_cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-      .venv/bin/python -m pip wheel -q --no-deps --config-settings=build.targets=llama \
-      -w "$ik_wheel_dir" "$(ls -d "$work"/ik_llama_cpp_python-*/)"
-  local status=$?
-  rm -rf "$work"
-  [ $status = 0 ] || { mkdir -p "$ik_wheel_dir"; touch "$ik_wheel_dir/FAILED"; }
-  return $status
+install_ik_build() {  # the built wheel into the venv, with the flags it needs beside its library
+  .venv/bin/python -m pip install -q --force-reinstall --no-deps "$ik_wheel_dir"/ik_llama_cpp_python-*.whl &&
+    cp "$ik_wheel_dir/cpu-flags" "$(ik_lib_dir)/cpu-flags" &&
+    basename "$ik_wheel_dir" > "$(ik_lib_dir)/specdec-build" &&
+    rm -f "$ik_pending"
 }
+ik_built() { ls "$ik_wheel_dir"/ik_llama_cpp_python-*.whl >/dev/null 2>&1; }
+build_ik() { bash scripts/build_ik.sh .venv/bin/python "$IK_LLAMA_CPP_PYTHON_VERSION" "$ik_wheel_dir" "$ik_cmake_args" "$ik_cpu_flags"; }
 
 if $ik_runs; then
   if ! ik_patched; then
-    if ls "$ik_wheel_dir"/ik_llama_cpp_python-*.whl >/dev/null 2>&1 ||
-       { { [ "$MODE" = test ] || [ ! -e "$ik_wheel_dir/FAILED" ]; } && build_ik; }; then
-      .venv/bin/python -m pip install -q --force-reinstall --no-deps "$ik_wheel_dir"/ik_llama_cpp_python-*.whl
+    if ! ik_built && [ "$MODE" = test ]; then
+      echo "specdec: building ik_llama.cpp $IK_LLAMA_CPP_PYTHON_VERSION with specdec's patch (log: $ik_wheel_dir/build.log)" >&2
+      build_ik || { echo "specdec: the patched ik_llama.cpp build failed; the tests need it" >&2; tail -20 "$ik_wheel_dir/build.log" >&2; exit 1; }
     fi
-    if ! ik_patched; then
-      [ "$MODE" = test ] && { echo "specdec: the patched ik_llama.cpp build failed; the tests need it" >&2; exit 1; }
-      echo "specdec: building ik_llama.cpp failed; using PyPI's wheel (repacked one-row steps padded;" \
-           "remove $ik_wheel_dir/FAILED to try again)" >&2
-      .venv/bin/python -m pip install -q --force-reinstall --no-deps "ik-llama-cpp-python==$IK_LLAMA_CPP_PYTHON_VERSION"
+    if ik_built; then
+      install_ik_build
+    else
+      .venv/bin/python -m pip install -q --no-deps "ik-llama-cpp-python==$IK_LLAMA_CPP_PYTHON_VERSION"  # PyPI's wheel meanwhile
+      if [ -e "$ik_wheel_dir/FAILED" ]; then
+        echo "specdec: building ik_llama.cpp failed before ($ik_wheel_dir/build.log); serving on PyPI's wheel" \
+             "(repacked one-row steps padded; remove $ik_wheel_dir/FAILED to try again)" >&2
+      elif ! pgrep -f "build_ik.sh .* $ik_wheel_dir " >/dev/null; then
+        mkdir -p "$(dirname "$ik_pending")" "$ik_wheel_dir"
+        echo "$ik_wheel_dir" > "$ik_pending"
+        echo "specdec: building ik_llama.cpp with specdec's patch in the background (log: $ik_wheel_dir/build.log);" \
+             "serving on PyPI's wheel until it is done, then on the build" >&2
+        # Low priority: the server keeps the cores whenever it decodes.
+        nohup nice -n 19 bash -c "$(declare -f build_ik install_ik_build ik_lib_dir); \
+          $(declare -p IK_LLAMA_CPP_PYTHON_VERSION ik_wheel_dir ik_cmake_args ik_cpu_flags ik_pending); \
+          build_ik && install_ik_build" > /dev/null 2>&1 < /dev/null &
+      fi
     fi
   fi
   .venv/bin/python -m pip install -q "ik-llama-cpp-python==$IK_LLAMA_CPP_PYTHON_VERSION"  # its dependencies
 else
-  echo "specdec: this CPU cannot run ik_llama.cpp's AVX2 wheel; using mainline llama.cpp" >&2
+  echo "specdec: this CPU cannot run ik_llama.cpp's AVX2 kernels; using mainline llama.cpp" >&2
 fi
 
 # -- mainline llama.cpp: built for this CPU -----------------------------------------------------
@@ -129,7 +146,7 @@ if $want_mainline && ! llama_ok; then
     echo "specdec: CMAKE_ARGS=$cmake_args" >&2
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
-    .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d "$work" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+    .venv/bin/python -m pip download -q --no-deps --no-binary llama-cpp-python -d "$work" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
     tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
     src=$(ls -d "$work"/llama_cpp_python-*/)
     bash scripts/patch_llama_cpp.sh "$src"

@@ -17,6 +17,16 @@
 #    check first asks whether there are tokens. The reduced-vocabulary draft (models/
 #    reduced_vocabulary.py) feeds embeddings, one row a step; the library exports
 #    `specdec_embeddings_one_row`, by which the binding knows it may.
+# 4. Cells chosen by the caller. By default a call's tokens take the first free run of cells, so
+#    the cells of sequences decoded together interleave, and attention sums each sequence's
+#    cells in SIMD groups that depend on where the others' cells fell (logits up to 0.30 apart
+#    from the sequence alone). `specdec_kv_set_cells(ctx, cells, n)` names the cell of each token
+#    of the next llama_decode, and the graph stores each token's K and V at its own cell
+#    (ggml_set_rows) instead of at one run from the cache head: specdec keeps every sequence in
+#    blocks of cells of its own, aligned and in order, so that several sequences share one call
+#    and one cache while each is summed as if alone; the call names how many cells its attention
+#    spans (those of its own sequences), so idle sequences' cells above cost it nothing
+#    (docs/exactness.md, "Streams sharing a forward").
 set -euo pipefail
 sdist=${1:?usage: patch_ik_llama_cpp.sh IK_LLAMA_CPP_PYTHON_SDIST_DIR}
 python3 - "$sdist" <<'PY'
@@ -68,4 +78,148 @@ for pattern in QUANTIZE:
 cmakelists.write_text(text)
 if re.search(r"^[^#\n]*quantize", text, re.M):
     sys.exit(f"patch_ik_llama_cpp.sh: {cmakelists} still builds llama-quantize")
+
+# -- 4. cells chosen by the caller ---------------------------------------------------------------
+CELLS_MARKER = ('extern "C" __attribute__((visibility("default"), used)) '
+                'const char specdec_kv_cells[] = "specdec_kv_cells";\n')
+context_h = sdist / "vendor/ik_llama.cpp/src/llama-context.h"
+llama_cpp = sdist / "vendor/ik_llama.cpp/src/llama.cpp"
+
+
+def replace_once(path, old, new):
+    text = path.read_text()
+    if text.count(old) != 1:
+        sys.exit(f"patch_ik_llama_cpp.sh: {old.strip()[:60]!r} not found once in {path}")
+    path.write_text(text.replace(old, new))
+
+
+if CELLS_MARKER not in llama_cpp.read_text():
+    replace_once(context_h, "    std::vector<llama_kv_cell> cells;\n",
+                 "    std::vector<llama_kv_cell> cells;\n"
+                 "    // specdec: the cells the next decode's tokens take (set by specdec_kv_set_cells), and those\n"
+                 "    // of the batch being computed; empty: the first free run, as ik does\n"
+                 "    std::vector<int32_t> specdec_next_cells;\n"
+                 "    std::vector<int32_t> specdec_cells;\n"
+                 "    uint32_t specdec_next_n_kv = 0; // cells the next decode's attention spans (0: ik's rule)\n")
+    replace_once(context_h, "    struct ggml_tensor * inp_KQ_mask;     // F32 [kv_size, n_batch]\n",
+                 "    struct ggml_tensor * inp_KQ_mask;     // F32 [kv_size, n_batch]\n"
+                 "    struct ggml_tensor * specdec_k_idxs = nullptr; // I64 [n_batch]: each token's cell (specdec)\n"
+                 "    struct ggml_tensor * specdec_v_idxs = nullptr; // I64 [n_embd_v_gqa * n_batch]: each V element's\n")
+    replace_once(build_context, "    lctx.inp_pos         = nullptr;\n",
+                 "    lctx.inp_pos         = nullptr;\n"
+                 "    lctx.specdec_k_idxs  = nullptr;\n"
+                 "    lctx.specdec_v_idxs  = nullptr;\n")
+    replace_once(build_context, "    const int64_t n_embd_head_k = hparams.n_embd_head_k(il);\n\n    GGML_ASSERT(kv.size == n_ctx);\n",
+                 """    const int64_t n_embd_head_k = hparams.n_embd_head_k(il);
+
+    GGML_ASSERT(kv.size == n_ctx);
+
+    if (!kv.specdec_cells.empty()) {
+        // specdec: each token's K and V at the cell its caller chose (specdec_kv_set_cells)
+        GGML_ASSERT((int32_t) kv.specdec_cells.size() == n_tokens);
+        if (!lctx.specdec_k_idxs) {
+            lctx.specdec_k_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
+            ggml_set_input(lctx.specdec_k_idxs);
+        }
+        if (k_cur) {
+            const int64_t n_embd_k_gqa = n_embd_head_k*n_head_kv;
+            ggml_tensor * k_rows = ggml_view_2d(ctx, kv.k_l[il], n_embd_k_gqa, n_ctx,
+                    ggml_row_size(kv.k_l[il]->type, n_embd_k_gqa), 0);
+            ggml_tensor * k_src = ggml_reshape_2d(ctx, ggml_cont(ctx, k_cur), n_embd_k_gqa, n_tokens);
+            lctx.cache_copies[2*il+0].cpy = ggml_set_rows(ctx, k_rows, k_src, lctx.specdec_k_idxs);
+            ggml_build_forward_expand(graph, lctx.cache_copies[2*il+0].cpy);
+        }
+        if (v_cur) {
+            ggml_tensor * stored;
+            if (!kv.v_trans) {
+                ggml_tensor * v_rows = ggml_view_2d(ctx, kv.v_l[il], n_embd_v_gqa, n_ctx,
+                        ggml_row_size(kv.v_l[il]->type, n_embd_v_gqa), 0);
+                stored = ggml_set_rows(ctx, v_rows, ggml_reshape_2d(ctx, ggml_cont(ctx, v_cur), n_embd_v_gqa, n_tokens),
+                        lctx.specdec_k_idxs);
+            } else {
+                // the transposed V cache: element (d, cell) at d*n_ctx + cell, one element a row
+                if (!lctx.specdec_v_idxs) {
+                    lctx.specdec_v_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_embd_v_gqa*n_tokens);
+                    ggml_set_input(lctx.specdec_v_idxs);
+                }
+                GGML_ASSERT(lctx.specdec_v_idxs->ne[0] == n_embd_v_gqa*n_tokens);
+                ggml_tensor * v_elems = ggml_view_2d(ctx, kv.v_l[il], 1, n_ctx*n_embd_v_gqa,
+                        ggml_element_size(kv.v_l[il]), 0);
+                stored = ggml_set_rows(ctx, v_elems, ggml_reshape_2d(ctx, ggml_cont(ctx, v_cur), 1, n_embd_v_gqa*n_tokens),
+                        lctx.specdec_v_idxs);
+            }
+            lctx.cache_copies[2*il+1].cpy = stored;
+            ggml_build_forward_expand(graph, stored);
+        }
+        return;
+    }
+""")
+    replace_once(llama_cpp, "    // otherwise, one cell per token.\n", """    // otherwise, one cell per token.
+
+    cache.specdec_cells.clear();
+    if (!cache.specdec_next_cells.empty()) {
+        // specdec: the cells the caller chose, each free, one per token
+        std::vector<int32_t> chosen;
+        chosen.swap(cache.specdec_next_cells);
+        if (chosen.size() != n_tokens) {
+            LLAMA_LOG_ERROR("%s: %d cells chosen for %d tokens\\n", __func__, (int) chosen.size(), (int) n_tokens);
+            return false;
+        }
+        for (uint32_t i = 0; i < n_tokens; i++) {
+            if (chosen[i] < 0 || (uint32_t) chosen[i] >= cache.size || cache.cells[chosen[i]].pos >= 0) {
+                LLAMA_LOG_ERROR("%s: cell %d is not free\\n", __func__, chosen[i]);
+                return false;
+            }
+        }
+        for (uint32_t i = 0; i < n_tokens; i++) {
+            GGML_ASSERT(cache.cells[chosen[i]].pos < 0); // a cell chosen twice
+            cache.cells[chosen[i]].pos = batch.pos[i];
+            for (int32_t j = 0; j < batch.n_seq_id[i]; j++) {
+                cache.cells[chosen[i]].seq_id.insert(batch.seq_id[i][j]);
+            }
+        }
+        cache.used += n_tokens;
+        cache.head = 0; // the graph stores by cell, not from the head
+        cache.n = cache.specdec_next_n_kv;
+        cache.specdec_cells = std::move(chosen);
+        return true;
+    }
+""")
+    replace_once(llama_cpp, """                auto max_cell = llama_kv_cache_cell_max(kv_self, pad);
+                kv_self.n = std::min(kv_self.size, std::max(pad, GGML_PAD(max_cell, pad)));
+""", """                auto max_cell = llama_kv_cache_cell_max(kv_self, pad);
+                // specdec: the cells its caller named span the attention (its own sequences' cells)
+                if (!kv_self.specdec_cells.empty() && kv_self.n > 0) max_cell = kv_self.n;
+                kv_self.n = std::min(kv_self.size, std::max(pad, GGML_PAD(max_cell, pad)));
+""")
+    replace_once(llama_cpp, "    if (batch.pos && lctx.inp_pos) {\n", """    if (lctx.specdec_k_idxs) {
+        // specdec: the cell of each token, and of each element of its transposed V
+        const auto & cells = kv_self.specdec_cells;
+        const int64_t n_tokens = batch.n_tokens;
+        GGML_ASSERT((int64_t) cells.size() == n_tokens);
+        std::vector<int64_t> idxs(cells.begin(), cells.end());
+        ggml_backend_tensor_set(lctx.specdec_k_idxs, idxs.data(), 0, idxs.size()*sizeof(int64_t));
+        if (lctx.specdec_v_idxs) {
+            const int64_t n_embd_v = lctx.specdec_v_idxs->ne[0]/n_tokens;
+            idxs.resize(n_embd_v*n_tokens);
+            for (int64_t t = 0; t < n_tokens; ++t) {
+                for (int64_t d = 0; d < n_embd_v; ++d) {
+                    idxs[t*n_embd_v + d] = d*kv_self.size + cells[t];
+                }
+            }
+            ggml_backend_tensor_set(lctx.specdec_v_idxs, idxs.data(), 0, idxs.size()*sizeof(int64_t));
+        }
+    }
+
+    if (batch.pos && lctx.inp_pos) {
+""")
+    llama_cpp.write_text(llama_cpp.read_text() + """
+// specdec: the cells the next llama_decode's tokens take, one per token in batch order
+// (scripts/patch_ik_llama_cpp.sh, part 4)
+// and the cells its attention spans (n_kv: above every cell of the call's sequences)
+extern "C" __attribute__((visibility("default"))) void specdec_kv_set_cells(struct llama_context * ctx, const int32_t * cells, int32_t n, int32_t n_kv) {
+    ctx->kv_self.specdec_next_cells.assign(cells, cells + n);
+    ctx->kv_self.specdec_next_n_kv = (uint32_t) n_kv;
+}
+""" + CELLS_MARKER)
 PY

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from specdec.backends.base import Backend
-from specdec.backends.registry import (INEXACT, REGISTRY, REPACKED, BackendConfig, ModelConfig, backend_entry,
+from specdec.backends.registry import (IK_LLAMA_CPP, REGISTRY, BackendConfig, ModelConfig, backend_entry,
                                       default_backend)
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.models.reduced_vocabulary import ROW_MULTIPLE
@@ -22,7 +22,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--backend", choices=list(REGISTRY), default=None,
                        help="who runs the models: " + "; ".join(f"{name}: {entry.summary}" for name, entry in REGISTRY.items())
                             + ". Default: the choice `specdec calibrate --configs all --save` made on this machine, "
-                              "else the first installed of " + ", ".join(REGISTRY))
+                              "else specdec's ik_llama.cpp build with repacked weights, else the first installed of "
+                            + ", ".join(REGISTRY))
     group.add_argument("--dtype", choices=DTYPES, default=None,
                        help="torch backend only: weights and activations in bfloat16 (default) or float32; "
                             "without --backend, the saved choice's")
@@ -55,22 +56,41 @@ def add_method_arguments(parser: argparse.ArgumentParser, default_method: str = 
 
 def backend_config(args: argparse.Namespace) -> BackendConfig:
     """--backend, --dtype and --repacked, or else the saved per-machine choice if it was measured on
-    this machine, or else the first installed backend. Exactness stays --inexact's: never the profile's."""
+    this machine, or else the rule of `default_config`. Exactness stays --inexact's: never the profile's."""
     from specdec.machine_profile import saved_choice
 
     exact = not getattr(args, "inexact", False)
     dtype = getattr(args, "dtype", None)
     repacked = getattr(args, "repacked", False)
     if getattr(args, "backend", None) is None:
-        choice = saved_choice()
-        if choice is not None:
-            return replace(choice, exact=exact, repacked=choice.repacked or repacked)
-        return BackendConfig.parse(default_backend() + (f":{REPACKED}" if repacked else "")
-                                   + ("" if exact else f":{INEXACT}"))
+        choice = saved_choice() or default_config()
+        return replace(choice, exact=exact, repacked=choice.repacked or repacked)
+
+
+def chosen_by_rule(args: argparse.Namespace) -> bool:
+    """Whether the backend configuration is the rule's (no --backend, no measured profile): a
+    server may then move to a better build of the same library (server/upgrade.py)."""
+    from specdec.machine_profile import saved_choice
+
+    return getattr(args, "backend", None) is None and saved_choice() is None
     entry = backend_entry(args.backend)
     if repacked and not entry.repacks:
         raise SpecdecError(f"--repacked applies to ik_llama.cpp only, not {args.backend}.")
     return BackendConfig(args.backend, (dtype or entry.dtypes[0]) if entry.dtypes else None, exact, repacked)
+
+
+def default_config() -> BackendConfig:
+    """Without a measured profile (`make profile`), the rule the measurements agree on: with
+    specdec's ik_llama.cpp build, its weights repacked (faster at every row count on every CPU
+    measured, docs/benchmarks.md); else the first installed backend as it stores its weights
+    (PyPI's ik wheel would pad every repacked one-token step)."""
+    backend = default_backend()
+    if backend == IK_LLAMA_CPP.name:
+        from specdec.backends.bindings.ik_llama import binding
+
+        if binding().one_row_exact:
+            return BackendConfig(backend, repacked=True)
+    return BackendConfig.parse(backend)
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -84,7 +104,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         raise SpecdecError(f"--draft-vocabulary must be 0 (all tokens) or a positive multiple of {ROW_MULTIPLE}.")
     return ModelConfig(backend=backend_config(args), target=args.model, draft=args.draft_model,
                        load_draft=not args.no_draft, ctx_size=args.ctx_size, threads=args.threads,
-                       draft_vocabulary=vocabulary)
+                       draft_vocabulary=vocabulary, backend_by_rule=chosen_by_rule(args))
 
 
 def resolve_model(path: Optional[str], spec: ModelSpec) -> Path:
@@ -116,7 +136,7 @@ def load_engine(config: ModelConfig, n_slots: int = 1) -> Engine:
             target.close()
             raise
     try:
-        return Engine(target, draft, EngineConfig(), n_slots=n_slots)
+        return Engine(target, draft, EngineConfig(), n_slots=n_slots, model_config=config)
     except SpecdecError:
         target.close()
         if draft is not None:

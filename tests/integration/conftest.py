@@ -10,22 +10,17 @@ import os
 
 import pytest
 
-from specdec.backends.registry import BackendConfig, ModelConfig, backend_entry, default_backend
+from specdec.backends.registry import BackendConfig, ModelConfig, backend_entry
 
 # Backend configurations by label: ik_llama.cpp with its weights as stored and repacked, mainline.
 LLAMA_FAMILY = ("ik_llama.cpp", "ik_llama.cpp:repacked", "llama.cpp")
 
 
 def default_label() -> str:
-    """The configuration `make profile` chooses on these machines: with specdec's ik_llama.cpp build,
-    repacked weights (plain decoding 1.23x the stored layout's on Spec-Bench, and exact at every row count)."""
-    backend = default_backend()
-    if backend == "ik_llama.cpp":
-        from specdec.backends.bindings.ik_llama import binding
+    """The configuration `make serve` uses without a measured profile (runtime.default_config)."""
+    from specdec.runtime import default_config
 
-        if binding().one_row_exact:
-            return "ik_llama.cpp:repacked"
-    return backend
+    return default_config().label
 
 
 DEFAULT_BACKEND = os.environ.get("SPECDEC_TEST_BACKEND") or default_label()

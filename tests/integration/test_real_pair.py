@@ -12,12 +12,12 @@ import pytest
 from specdec.backends.registry import backend_entry
 from specdec.types import GenerationRequest, SamplingParams, SpecConfig
 
-from spec_bench_prompts import spec_bench_prompts
+from shipped_prompts import shipped_prompts
 
-# 20 prompts over all six Spec-Bench categories; the first of each category on the sampled backends.
+# The 20 shipped prompts (tests/data), six categories; the first of each category on the sampled backends.
 PER_CATEGORY = {"mt_bench": 4, "translation": 4, "summarization": 3, "qa": 3, "math_reasoning": 3, "rag": 3}
-EQUALITY_PROMPTS = spec_bench_prompts(PER_CATEGORY)
-SAMPLE_PROMPTS = spec_bench_prompts({category: 1 for category in PER_CATEGORY})
+EQUALITY_PROMPTS = shipped_prompts(PER_CATEGORY)
+SAMPLE_PROMPTS = shipped_prompts({category: 1 for category in PER_CATEGORY})
 
 
 def assert_greedy_speculative_equals_plain(engine, prompt):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from specdec.backends.bindings import ik_llama
+from specdec.types import SpecdecError
 
 PATCH_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "patch_ik_llama_cpp.sh"
 STRUCTS = {"llama_model_params": ik_llama.ModelParams, "llama_context_params": ik_llama.ContextParams,
@@ -75,6 +76,7 @@ def test_the_library_exports_every_declared_function_and_initialises():
     assert binding is ik_llama.binding()  # opened once per process
     assert binding.rules(exact=True) == ik_llama.EXACT_RULES and binding.rules(exact=False) == ik_llama.INEXACT_RULES
     assert binding.rules(exact=True, repacked=True) == (
+        ik_llama.REPACKED_SHARED_RULES if binding.kv_cells else
         ik_llama.REPACKED_ONE_ROW_EXACT_RULES if binding.one_row_exact else ik_llama.REPACKED_EXACT_RULES)
     assert binding.rules(exact=False, repacked=True) == ik_llama.INEXACT_RULES
 
@@ -97,7 +99,22 @@ def test_the_packages_own_library_override_is_honoured(monkeypatch, tmp_path):
     assert ik_llama.library_path() == library
     assert not ik_llama.installed()  # no such file
     library.write_bytes(b"")
-    assert ik_llama.installed() == ik_llama.cpu_runs_wheel()
+    assert ik_llama.installed() == ik_llama.cpu_runs(library)
+
+
+def test_a_build_for_instructions_this_cpu_lacks_is_not_installed_nor_opened(monkeypatch, tmp_path):
+    """specdec's build names the instruction sets its kernels need beside the library; a cached
+    build carried to a CPU without them is refused with one clear line, never loaded (SIGILL)."""
+    library = tmp_path / "libllama.so"
+    library.write_bytes(b"")
+    monkeypatch.setenv("IK_LLAMA_CPP_LIB_PATH", str(library))
+    monkeypatch.setattr(ik_llama, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    monkeypatch.setattr(ik_llama.platform, "machine", lambda: "x86_64")
+    assert ik_llama.required_cpu_flags(library) == ik_llama.WHEEL_CPU_FLAGS and ik_llama.installed()
+    (tmp_path / "cpu-flags").write_text("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni\n")
+    assert not ik_llama.installed()
+    with pytest.raises(SpecdecError, match="avx512_vnni avx512bw avx512dq avx512f avx512vl"):
+        ik_llama.IkLlamaBinding(library)
 
 
 # The sdist's parts the patch changes, cut down: the two kernels' one-row branches (the real file
@@ -133,8 +150,39 @@ install(
 )
 """
 # ik_llama.cpp's src/llama-build-context.cpp around its warm-up check, cut down.
-BUILD_CONTEXT = """ggml_cgraph * llm_build_context::build_qwen2() {
+BUILD_CONTEXT = """void llm_build_context::init() {
+    lctx.inp_pos         = nullptr;
+}
+
+void llm_build_context::llm_build_kv_store(int il) {
+    const int64_t n_embd_head_k = hparams.n_embd_head_k(il);
+
+    GGML_ASSERT(kv.size == n_ctx);
+    store_from_head();
+}
+
+ggml_cgraph * llm_build_context::build_qwen2() {
     bool is_warming_up = lctx.n_eval == 0 && (batch.n_tokens == 1 && (batch.token[0] == ((bos != -1) ? bos : eos)));
+}
+"""
+# ik_llama.cpp's src/llama-context.h and src/llama.cpp where part 4 (cells chosen by the caller) goes, cut down.
+CONTEXT_H = """struct llama_kv_cache {
+    std::vector<llama_kv_cell> cells;
+};
+struct llama_context {
+    struct ggml_tensor * inp_KQ_mask;     // F32 [kv_size, n_batch]
+};
+"""
+LLAMA_CPP = """static bool llama_kv_cache_find_slot() {
+    // otherwise, one cell per token.
+}
+static void llama_set_inputs() {
+    if (batch.pos && lctx.inp_pos) {
+    }
+}
+static int llama_decode_internal() {
+                auto max_cell = llama_kv_cache_cell_max(kv_self, pad);
+                kv_self.n = std::min(kv_self.size, std::max(pad, GGML_PAD(max_cell, pad)));
 }
 """
 
@@ -150,6 +198,9 @@ def test_the_patch_sends_one_row_down_the_multi_row_branch_and_builds_the_librar
     build_context = tmp_path / "vendor" / "ik_llama.cpp" / "src" / "llama-build-context.cpp"
     build_context.parent.mkdir(parents=True)
     build_context.write_text(BUILD_CONTEXT)
+    (build_context.parent / "llama-context.h").write_text(CONTEXT_H)
+    llama_cpp = build_context.parent / "llama.cpp"
+    llama_cpp.write_text(LLAMA_CPP)
     cmakelists = tmp_path / "CMakeLists.txt"
     cmakelists.write_text(CMAKELISTS)
     assert run_patch(tmp_path).returncode == 0
@@ -160,11 +211,14 @@ def test_the_patch_sends_one_row_down_the_multi_row_branch_and_builds_the_librar
     warm_up = build_context.read_text()  # a one-row batch of embeddings has no batch.token to read
     assert "batch.n_tokens == 1 && batch.token && (batch.token[0] ==" in warm_up
     assert warm_up.count(ik_llama.EMBEDDINGS_ONE_ROW_SYMBOL) == 2
+    placed = llama_cpp.read_text()  # tokens stored at the cells the caller names
+    assert placed.count(ik_llama.KV_CELLS_SYMBOL) == 2 and "specdec_kv_set_cells" in placed
+    assert "ggml_set_rows" in warm_up and "specdec_next_cells" in (build_context.parent / "llama-context.h").read_text()
     build = cmakelists.read_text()
     assert "TARGETS llama ggml" in build
     assert not [line for line in build.splitlines() if "quantize" in line and not line.startswith("#")]
     assert run_patch(tmp_path).returncode == 0 and kquants.read_text() == patched  # idempotent
-    assert cmakelists.read_text() == build and build_context.read_text() == warm_up
+    assert cmakelists.read_text() == build and build_context.read_text() == warm_up and llama_cpp.read_text() == placed
     kquants.write_text(KQUANTS.replace("if constexpr (nrc_y == 1) { one(); }", "{ one(); }", 1))  # another version
     failed = run_patch(tmp_path)
     assert failed.returncode != 0 and "one-row branches in inline void process_min_r4_b32(" in failed.stderr

@@ -18,6 +18,7 @@ import numpy as np
 
 from specdec.backends.base import Backend, check_gguf_file, default_threads
 from specdec.backends.bindings.base import ContextOptions, LlamaBinding
+from specdec.backends.cell_blocks import CellBlocks
 from specdec.backends.chat_template import render_chat_template
 from specdec.backends.decode_plan import plan_calls
 from specdec.backends.library_thread import library_thread
@@ -106,9 +107,12 @@ class LlamaFamilyBackend(Backend):
             if not ctx:
                 raise SpecdecError(f"{self.name} could not create a context of {n_ctx} tokens for {self.model_path}.")
             self._contexts.append(ctx)
+        self._cells_per_sequence = min(self._binding.context_cells_per_sequence(ctx, sequences_per_context)
+                                       for ctx in self._contexts)
+        if self.rules.cell_ranges:
+            self._cell_blocks = CellBlocks(self._cells_per_sequence * sequences_per_context)
         # A padded call writes up to min_rows - 1 cells past the sequence's last position.
-        self.n_ctx = min(self._binding.context_cells_per_sequence(ctx, sequences_per_context)
-                         for ctx in self._contexts) - (self.rules.min_rows - 1)
+        self.n_ctx = self._cells_per_sequence - (self.rules.min_rows - 1)
 
     def _context_of(self, seq_id: int) -> tuple[object, int]:
         """(context, the sequence's id inside it)."""
@@ -192,13 +196,15 @@ class LlamaFamilyBackend(Backend):
                 batch.seq_id[i][0] = self._context_of(row.seq_id)[1]
                 batch.logits[i] = not prefill  # pads too: rows with logits share the output kernel
             batch.n_tokens = len(call)
+            if self.rules.cell_ranges:
+                binding.set_cells(ctx, *self._cells_of(call))
             rc = binding.decode(ctx, batch, self.rules)
             if rc != 0:
                 raise SpecdecError(f"llama_decode failed with code {rc} (no room left in the KV cache?).")
             pads = [row for row in call if row.pad]
             if pads:
                 ctx_of_pad, local_id = self._context_of(pads[0].seq_id)
-                binding.seq_rm(ctx_of_pad, local_id, pads[0].position)
+                self._truncate(ctx_of_pad, local_id, pads[0].position)
             if prefill:
                 continue
             for i, row in enumerate(call):
@@ -209,9 +215,20 @@ class LlamaFamilyBackend(Backend):
         empty = np.zeros((0, self.vocab_size), dtype=np.float32)
         return [np.stack(rows) if rows else empty for rows in outputs]
 
+    def _cells_of(self, call: list) -> tuple["ctypes.Array", int]:
+        """Each row's cell in the shared cache (cell_blocks.py), and the cells the call's attention
+        spans: up to its highest, since a sequence's later positions sit at higher cells."""
+        chosen = [self._cell_blocks.cells(self._context_of(row.seq_id)[1], [row.position])[0] for row in call]
+        return (ctypes.c_int32 * len(chosen))(*chosen), max(chosen) + 1
+
     def truncate(self, seq_id: int, length: int) -> None:
         ctx, local_id = self._context_of(seq_id)
-        library_thread.call(self._binding.seq_rm, ctx, local_id, length)
+        library_thread.call(self._truncate, ctx, local_id, length)
+
+    def _truncate(self, ctx, local_id: int, length: int) -> None:
+        self._binding.seq_rm(ctx, local_id, length)
+        if self.rules.cell_ranges:
+            self._cell_blocks.truncate(local_id, length)
 
     def describe(self) -> dict:
         return {
@@ -222,6 +239,7 @@ class LlamaFamilyBackend(Backend):
             "flash_attn": self.rules.flash_attn,
             "max_decode_rows": self.rules.max_decode_rows,
             "context_per_sequence": self.rules.context_per_sequence,
+            "cell_ranges": self.rules.cell_ranges,
             "min_rows": self.rules.min_rows,
             "repacked": self.repacked,
             "proposals_only": self.proposals_only,

@@ -33,6 +33,7 @@ class ModelConfig:
     # Tokens the draft model scores (models/reduced_vocabulary.py) where its library can; 0: all.
     # 32,768 cover 96 % of the target's greedy Spec-Bench text for 0.77 of the full draft's step.
     draft_vocabulary: int = 32768
+    backend_by_rule: bool = False  # no --backend and no measured profile: runtime.default_config's choice
 
     def with_backend(self, backend: "BackendConfig") -> "ModelConfig":
         return replace(self, backend=backend)

@@ -75,11 +75,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the configurations run on each --compare-backend, as --methods (default: the same; "
                              "`off` alone compares plain decoding only); off always runs")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    server = parser.add_argument_group("server mode (through HTTP: what `make serve` gives; bench/serving.py)")
+    server.add_argument("--server", action="store_true",
+                        help="measure `specdec serve` through HTTP at each --concurrency (streaming, waves of concurrent "
+                             "requests), with --peer llama-server=PATH as llama.cpp's server on the same prompts")
+    server.add_argument("--concurrency", default="1,2,4,8", help="streams at once, per level (default 1,2,4,8)")
+    server.add_argument("--serve-args", default="", help="extra `specdec serve` flags, e.g. '--inexact'")
+    server.add_argument("--llama-server-specs", default="plain,ngram-simple:k3",
+                        help="llama-server configurations: plain, ngram-simple:kK, draft:kK (default plain,ngram-simple:k3)")
     add_model_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_bench(args)
+    return run_server_bench(args) if args.server else run_bench(args)
+
+
+def run_server_bench(args: argparse.Namespace) -> int:
+    from specdec.bench import serving
+
+    try:
+        levels = sorted({int(level) for level in _split([args.concurrency])})
+    except ValueError:
+        raise SpecdecError("--concurrency takes comma-separated integers, e.g. 1,2,4,8.") from None
+    if not levels or levels[0] < 1 or args.repeats < 1:
+        raise SpecdecError("--concurrency levels and --repeats must be at least 1.")
+    methods = [method for method, _, _ in (m.partition(":") for m in _split([args.methods]))]
+    prompts = load_prompts(args.dataset, _split(args.categories) or None, args.per_category)
+    llama_server = parse_peers(args.peer).get(LLAMA_SERVER)
+    target, draft = _model_paths(args, need_draft=True)
+    out = Path(args.out)
+    rows = serving.run(prompts, list(dict.fromkeys(methods)), levels, args.max_tokens, args.repeats, out,
+                       shlex.split(args.serve_args), llama_server, _split([args.llama_server_specs]), target, draft)
+    (out / META_FILE).write_text(json.dumps({"command": "specdec " + shlex.join(sys.argv[1:]), "machine": _machine(),
+                                             "prompts": len(prompts), "levels": levels, "max_tokens": args.max_tokens,
+                                             "repeats": args.repeats}, indent=2) + "\n", encoding="utf-8")
+    print(serving.format_table(rows))
+    print(f"specdec bench: server report in {out / 'server-report.md'}", file=sys.stderr)
+    return 0
 
 
 def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = None) -> int:

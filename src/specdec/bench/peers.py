@@ -90,10 +90,11 @@ class ServerOptions:
     ctx_size: int = 4096
     threads: Optional[int] = None
     spec_type: Optional[str] = None  # None: the run without speculation
+    slots: int = 1  # -np: sequences served at once, each with ctx_size cells
 
     def command(self, port: int) -> list[str]:
         cmd = [self.binary, "-m", self.target, "--host", "127.0.0.1", "--port", str(port),
-               "-c", str(self.ctx_size), "-np", "1", "--no-webui"]
+               "-c", str(self.ctx_size * self.slots), "-np", str(self.slots), "--no-webui"]
         if self.threads:
             cmd += ["-t", str(self.threads)]
         if self.spec_type is not None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from specdec.backends.base import Backend, check_draft_compatible
 from specdec.drafters.auto import AutoDrafter
@@ -16,6 +16,9 @@ from specdec.engine.core import EngineCore
 from specdec.engine.decoder import Generation
 from specdec.engine.sequence import CachedSequence
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent
+
+if TYPE_CHECKING:
+    from specdec.backends.registry import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,14 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         clock: Callable[[], float] = time.perf_counter,
         n_slots: int = 1,
+        model_config: Optional["ModelConfig"] = None,
     ):
         if draft is not None:
             check_draft_compatible(target, draft)
         self.target = target
         self.draft = draft
         self.config = config
+        self.model_config = model_config  # how it was loaded, where runtime.load_engine loaded it
         self.clock = clock
         if n_slots > target.max_sequences or (draft is not None and n_slots > draft.max_sequences):
             raise SpecdecError(f"{n_slots} slots need backends that hold {n_slots} sequences.")

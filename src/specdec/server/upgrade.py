@@ -1,0 +1,110 @@
+"""Moving a running server onto specdec's ik_llama.cpp build once it is built.
+
+On a fresh machine `make serve` serves at once on PyPI's prebuilt ik wheel while
+scripts/install.sh builds specdec's patched build in the background; `$SPECDEC_HOME/builds/
+ik-pending` names the build's folder. The watcher looks every few seconds; once the build is
+complete (its wheel and its unpacked library are there) and this CPU runs it, it hands the
+scheduler an engine factory, and the scheduler switches at its next idle moment (scheduler.py):
+the new engine is loaded from the unpacked library (the old one stays open beside it: a
+library cannot be reloaded under the same path), calibrated, and serves from then on. Later
+starts load the build from the virtualenv, where the background job has installed it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Optional
+
+from specdec.engine.engine import Engine
+from specdec.models.registry import specdec_home
+
+logger = logging.getLogger("specdec.server")
+
+POLL_SECONDS = 5.0
+LIBRARY_ENV = "IK_LLAMA_CPP_LIB_PATH"  # the ik package's own override of the library it opens
+
+
+def pending_file() -> Path:
+    return specdec_home() / "builds" / "ik-pending"
+
+
+def finished_build(pending: Optional[Path] = None) -> Optional[Path]:
+    """The unpacked library of the pending build once it is complete and this CPU runs it."""
+    from specdec.backends.bindings import ik_llama
+
+    try:
+        folder = Path((pending or pending_file()).read_text().strip())
+    except OSError:
+        return None
+    library = folder / "unpacked" / "ik_llama_cpp" / "lib" / "libllama.so"
+    if not any(folder.glob("ik_llama_cpp_python-*.whl")) or not library.exists() or not ik_llama.cpu_runs(library):
+        return None
+    return library
+
+
+def provisional(engine: Engine) -> bool:
+    """The engine runs ik_llama.cpp as PyPI's wheel, where specdec's build would do better."""
+    if engine.model_config is None or engine.target.name != "ik_llama.cpp":
+        return False
+    from specdec.backends.bindings import ik_llama
+
+    return not ik_llama.binding().one_row_exact
+
+
+def upgraded_engine(engine: Engine, library: Path) -> Engine:
+    """The same models on the build at `library`, calibrated; with the weights repacked where the
+    configuration was the rule's (runtime.default_config: repacked on specdec's build)."""
+    from specdec.runtime import load_engine
+
+    os.environ[LIBRARY_ENV] = str(library)  # from now on this process opens that build
+    models = engine.model_config
+    if models.backend_by_rule:
+        models = models.with_backend(replace(models.backend, repacked=True))
+    new = load_engine(models, n_slots=len(engine.slots))
+    try:
+        cost = new.calibrate()
+    except BaseException:
+        new.close()
+        raise
+    logger.info("specdec's ik_llama.cpp build: %s; calibrated for auto: %s", models.backend.label, cost.summary())
+    return new
+
+
+class BuildWatcher:
+    """Polls for the background build; hands `switch(factory)` one engine factory when it is done."""
+
+    def __init__(self, engine: Engine, switch: Callable[[Callable[[], Engine]], None], poll: float = POLL_SECONDS):
+        self.engine = engine
+        self.switch = switch
+        self.poll = poll
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specdec-build-watcher", daemon=True)
+
+    def start(self) -> None:
+        logger.info("serving on PyPI's ik_llama.cpp wheel while specdec's build is made in the background "
+                    "(log: %s/build.log); the server switches to it when it is done",
+                    pending_file().read_text().strip() if pending_file().exists() else "?")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            library = finished_build()
+            if library is not None:
+                logger.info("specdec's ik_llama.cpp build is ready (%s): switching at the next idle moment", library)
+                self.switch(lambda: upgraded_engine(self.engine, library))
+                return
+
+
+def watch_for_build(engine: Engine, switch: Callable[[Callable[[], Engine]], None]) -> Optional[BuildWatcher]:
+    """A started watcher where the engine is provisional and a build is pending; else None."""
+    if not pending_file().exists() or not provisional(engine):
+        return None
+    watcher = BuildWatcher(engine, switch)
+    watcher.start()
+    return watcher

@@ -1,0 +1,44 @@
+"""Cells of sequences sharing a KV cache (backends/cell_blocks.py): each position keeps its offset
+within an aligned block, each sequence's blocks rise, blocks are taken lowest first and freed on
+truncation."""
+import pytest
+
+from specdec.backends.cell_blocks import CellBlocks
+from specdec.types import SpecdecError
+
+
+def test_a_sequence_alone_sits_where_it_would_in_a_cache_of_its_own():
+    blocks = CellBlocks(64, block=8)
+    assert blocks.cells(0, range(20)) == list(range(20))
+
+
+def test_interleaved_sequences_keep_offsets_within_blocks_and_rising_blocks():
+    blocks = CellBlocks(96, block=8)
+    a, b = [], []
+    for start in range(0, 40, 5):  # two sequences growing in turns, as decode rounds do
+        a += blocks.cells(0, range(start, start + 5))
+        b += blocks.cells(1, range(start, start + 5))
+    for cells in (a, b):
+        assert [cell % 8 for cell in cells] == [p % 8 for p in range(40)]
+        assert cells == sorted(cells)  # rising: summed in the order of a cache of its own
+    assert not set(a) & set(b)
+
+
+def test_truncation_frees_whole_blocks_and_the_lowest_free_block_is_taken_first():
+    blocks = CellBlocks(64, block=8)
+    blocks.cells(0, range(24))  # blocks 0, 1, 2
+    blocks.cells(1, range(8))  # block 3
+    blocks.truncate(0, 9)  # keeps blocks 0 and 1 (position 8 is in block 1)
+    assert blocks.cells(2, range(3)) == [16, 17, 18]  # block 2 again
+    blocks.truncate(0, 0)
+    assert blocks.cells(3, [0]) == [0]
+
+
+def test_a_sequence_with_no_free_block_above_its_last_gets_a_clear_error():
+    blocks = CellBlocks(24, block=8)  # three blocks
+    blocks.cells(0, [0])  # block 0
+    blocks.cells(1, [0])  # block 1
+    blocks.cells(2, [0])  # block 2
+    blocks.truncate(0, 0)  # block 0 free, but below sequence 2's block
+    with pytest.raises(SpecdecError, match="no free block after sequence 2"):
+        blocks.cells(2, [8])
