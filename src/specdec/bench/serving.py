@@ -39,6 +39,7 @@ class ServedConfig:
     label: str  # e.g. "specdec:auto", "llama-server:ngram-simple:k3"
     url: str
     method: Optional[str] = None  # specdec's speculative_decoding method; None for a peer
+    model: str = "default"  # what the server's /v1/models lists
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
@@ -50,7 +51,7 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
 
 
 async def one_request(client: httpx.AsyncClient, config: ServedConfig, prompt: BenchPrompt, max_tokens: int) -> dict:
-    body = {"model": "default", "messages": list(prompt.messages), "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": config.model, "messages": list(prompt.messages), "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     if config.method is not None:
         body["speculative_decoding"] = {"method": config.method}
@@ -202,6 +203,10 @@ class SpecdecServer:
                 self.process.kill()
 
 
+def served_model(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
 def llama_server_options(binary: str, target: str, draft: Optional[str], slots: int, spec: str) -> ServerOptions:
     """spec: "plain", "ngram-simple:kK" or "draft:kK" (its draft model)."""
     if spec == "plain":
@@ -224,8 +229,9 @@ def run(prompts: Sequence[BenchPrompt], methods: Sequence[str], levels: Sequence
         try:
             for peer in peers:
                 started.append(peer.start())
-            configs = [ServedConfig(f"specdec:{method}", server.url, method) for method in methods]
-            configs += [ServedConfig(f"llama-server:{spec}", peer.url) for spec, peer in zip(llama_server_specs, started)]
+            configs = [ServedConfig(f"specdec:{method}", server.url, method, served_model(server.url)) for method in methods]
+            configs += [ServedConfig(f"llama-server:{spec}", peer.url, model=served_model(peer.url))
+                        for spec, peer in zip(llama_server_specs, started)]
             for config in configs:  # warm-up, unrecorded
                 asyncio.run(run_wave(config, prompts[:1], 8))
             records = run_levels(configs, prompts, levels, max_tokens, repeats, out / "server-records.jsonl")
