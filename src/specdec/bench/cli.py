@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "requests), with --peer llama-server=PATH as llama.cpp's server on the same prompts")
     server.add_argument("--concurrency", default="1,2,4,8", help="streams at once, per level (default 1,2,4,8)")
     server.add_argument("--serve-args", default="", help="extra `specdec serve` flags, e.g. '--inexact'")
+    server.add_argument("--engine-baseline", action="store_true",
+                        help="also run each method at one stream on an engine in this process, as `specdec generate` "
+                             "does, interleaved with the HTTP requests (the server's tax)")
     server.add_argument("--llama-server-specs", default="plain,ngram-simple:k3",
                         help="llama-server configurations: plain, ngram-simple:kK, draft:kK (default plain,ngram-simple:k3)")
     add_model_arguments(parser)
@@ -104,8 +107,19 @@ def run_server_bench(args: argparse.Namespace) -> int:
     llama_server = parse_peers(args.peer).get(LLAMA_SERVER)
     target, draft = _model_paths(args, need_draft=True)
     out = Path(args.out)
-    rows = serving.run(prompts, list(dict.fromkeys(methods)), levels, args.max_tokens, args.repeats, out,
-                       shlex.split(args.serve_args), llama_server, _split([args.llama_server_specs]), target, draft)
+    engine = None
+    if args.engine_baseline:
+        from specdec.runtime import load_engine, model_config
+
+        engine = load_engine(model_config(args))
+        engine.calibrate()  # as the server does before it serves
+    try:
+        rows = serving.run(prompts, list(dict.fromkeys(methods)), levels, args.max_tokens, args.repeats, out,
+                           shlex.split(args.serve_args), llama_server, _split([args.llama_server_specs]), target, draft,
+                           engine)
+    finally:
+        if engine is not None:
+            engine.close()
     (out / META_FILE).write_text(json.dumps({"command": "specdec " + shlex.join(sys.argv[1:]), "machine": _machine(),
                                              "prompts": len(prompts), "levels": levels, "max_tokens": args.max_tokens,
                                              "repeats": args.repeats}, indent=2) + "\n", encoding="utf-8")

@@ -9,6 +9,10 @@ Each request records its time to first token, the gaps between its chunks, its t
 text, so texts can be compared with the same request at one stream. Records never raise: a
 failed request is a record with its error.
 
+With `engine`, each method also runs at one stream on an engine in the benchmark's own process,
+as `specdec generate` runs it (`engine:METHOD`), interleaved with the HTTP requests: the server's
+tax is the ratio of the two.
+
 Per level and configuration the report gives aggregate tok/s (every token of the level over its
 waves' wall time, prompt processing included), per-stream decode tok/s (tokens after the first
 over the time after it), TTFT and chunk gaps at p50/p95, and the texts that differ from one stream's.
@@ -40,6 +44,7 @@ class ServedConfig:
     url: str
     method: Optional[str] = None  # specdec's speculative_decoding method; None for a peer
     model: str = "default"  # what the server's /v1/models lists
+    engine: object = None  # an in-process engine: the request runs as `specdec generate` runs it
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
@@ -84,6 +89,7 @@ async def one_request(client: httpx.AsyncClient, config: ServedConfig, prompt: B
         return record
     ended = time.perf_counter()
     tokens = (usage or {}).get("completion_tokens") or len(chunks)
+    record["server_decode_tokens_per_second"] = ((usage or {}).get("speculative") or {}).get("tokens_per_second")
     record.update(text="".join(text), tokens=tokens, seconds=ended - started,
                   ttft=(chunks[0] - started) if chunks else None,
                   decode_tokens_per_second=((tokens - 1) / (chunks[-1] - chunks[0])
@@ -92,7 +98,25 @@ async def one_request(client: httpx.AsyncClient, config: ServedConfig, prompt: B
     return record
 
 
+def engine_request(config: ServedConfig, prompt: BenchPrompt, max_tokens: int) -> dict:
+    from specdec.types import GenerationRequest, SpecConfig
+
+    engine = config.engine
+    engine.clear_cache()  # as a fresh `specdec generate`: nothing cached
+    ids = tuple(engine.encode_prompt(list(prompt.messages), chat=True))
+    started = time.perf_counter()
+    result = engine.generate(GenerationRequest(ids, max_tokens, spec=SpecConfig(config.method)))
+    stats = result.stats
+    return {"config": config.label, "prompt_id": prompt.id, "category": prompt.category, "error": None,
+            "text": result.text, "tokens": len(result.token_ids), "seconds": time.perf_counter() - started,
+            "ttft": stats.get("ttft_seconds"), "decode_tokens_per_second": stats.get("tokens_per_second"),
+            "chunk_gaps": []}
+
+
 async def run_wave(config: ServedConfig, prompts: Sequence[BenchPrompt], max_tokens: int) -> tuple[list[dict], float]:
+    if config.engine is not None:
+        started = time.perf_counter()
+        return [engine_request(config, p, max_tokens) for p in prompts], time.perf_counter() - started
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
         started = time.perf_counter()
         records = await asyncio.gather(*(one_request(client, config, p, max_tokens) for p in prompts))
@@ -110,6 +134,8 @@ def run_levels(configs: Sequence[ServedConfig], prompts: Sequence[BenchPrompt], 
                 order = list(configs) if repeat % 2 == 0 else list(reversed(configs))
                 for index, wave in enumerate(waves):
                     for config in (order if index % 2 == 0 else order[::-1]):
+                        if config.engine is not None and level > 1:
+                            continue  # the engine alone serves one stream
                         results, wall = asyncio.run(run_wave(config, wave, max_tokens))
                         for result in results:
                             result.update(level=level, repeat=repeat, wave=index, wave_seconds=wall)
@@ -127,9 +153,12 @@ def summarize(records: Sequence[dict], configs: Sequence[ServedConfig], levels: 
                  if r["config"] == config.label and r["level"] == min(levels) and r["repeat"] == 0 and not r["error"]}
         for level in levels:
             mine = [r for r in records if r["config"] == config.label and r["level"] == level]
+            if not mine:
+                continue
             ok = [r for r in mine if not r["error"]]
             walls = {(r["repeat"], r["wave"]): r["wave_seconds"] for r in mine}
             decode = [r["decode_tokens_per_second"] for r in ok if r.get("decode_tokens_per_second")]
+            server_decode = [r["server_decode_tokens_per_second"] for r in ok if r.get("server_decode_tokens_per_second")]
             ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
             gaps = [g for r in ok for g in r.get("chunk_gaps", ())]
             compared = [r for r in ok if r["prompt_id"] in alone]
@@ -140,6 +169,7 @@ def summarize(records: Sequence[dict], configs: Sequence[ServedConfig], levels: 
                 "decode_tokens_per_second_p25": percentile(decode, 0.25),
                 "decode_tokens_per_second_p75": percentile(decode, 0.75),
                 "aggregate_decode_tokens_per_second": (statistics.median(decode) * level) if decode else None,
+                "server_decode_tokens_per_second_median": statistics.median(server_decode) if server_decode else None,
                 "ttft_p50": percentile(ttft, 0.5), "ttft_p95": percentile(ttft, 0.95),
                 "chunk_gap_p50": percentile(gaps, 0.5), "chunk_gap_p95": percentile(gaps, 0.95),
                 "texts_as_one_stream": f"{sum(r['text'] == alone[r['prompt_id']] for r in compared)}/{len(compared)}",
@@ -152,13 +182,14 @@ def format_table(rows: Sequence[dict]) -> str:
         return "—" if value is None else f"{value:.{digits}f}"
 
     lines = ["| config | streams | aggregate tok/s | decode tok/s per stream, median (IQR) | streams x median decode | "
-             "TTFT p50/p95 s | chunk gap p50/p95 ms | texts as at 1 stream | errors |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "engine's own decode tok/s | TTFT p50/p95 s | chunk gap p50/p95 ms | texts as at 1 stream | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         gaps = "—" if r["chunk_gap_p50"] is None else f"{r['chunk_gap_p50'] * 1e3:.0f}/{r['chunk_gap_p95'] * 1e3:.0f}"
         lines.append(f"| {r['config']} | {r['level']} | {cell(r['aggregate_tokens_per_second'])} | "
                      f"{cell(r['decode_tokens_per_second_median'])} ({cell(r['decode_tokens_per_second_p25'])}–"
                      f"{cell(r['decode_tokens_per_second_p75'])}) | {cell(r['aggregate_decode_tokens_per_second'])} | "
+                     f"{cell(r['server_decode_tokens_per_second_median'])} | "
                      f"{cell(r['ttft_p50'])}/{cell(r['ttft_p95'])} | {gaps} | {r['texts_as_one_stream']} | {r['errors']} |")
     return "\n".join(lines)
 
@@ -219,7 +250,7 @@ def llama_server_options(binary: str, target: str, draft: Optional[str], slots: 
 
 def run(prompts: Sequence[BenchPrompt], methods: Sequence[str], levels: Sequence[int], max_tokens: int,
         repeats: int, out: Path, serve_args: Sequence[str], llama_server: Optional[str],
-        llama_server_specs: Sequence[str], target: str, draft: Optional[str]) -> list[dict]:
+        llama_server_specs: Sequence[str], target: str, draft: Optional[str], engine=None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     slots = max(levels)
     peers = [LlamaServer(llama_server_options(llama_server, target, draft, slots, spec), out / f"llama-server-{spec}.log")
@@ -232,6 +263,8 @@ def run(prompts: Sequence[BenchPrompt], methods: Sequence[str], levels: Sequence
             configs = [ServedConfig(f"specdec:{method}", server.url, method, served_model(server.url)) for method in methods]
             configs += [ServedConfig(f"llama-server:{spec}", peer.url, model=served_model(peer.url))
                         for spec, peer in zip(llama_server_specs, started)]
+            if engine is not None:
+                configs += [ServedConfig(f"engine:{method}", "", method, engine=engine) for method in methods]
             for config in configs:  # warm-up, unrecorded
                 asyncio.run(run_wave(config, prompts[:1], 8))
             records = run_levels(configs, prompts, levels, max_tokens, repeats, out / "server-records.jsonl")
