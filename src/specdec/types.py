@@ -109,6 +109,9 @@ class StreamEvent:
     token_ids: list[int]
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" on the last event
     stats: Optional[dict] = None  # GenerationStats.as_dict() on the last event
+    # Who produced each of token_ids: "target" (the target's own), or the proposal's source whose
+    # token the target accepted ("ngram", "cache", "draft", "hybrid")
+    token_sources: list[str] = field(default_factory=list)
 
 
 @dataclass

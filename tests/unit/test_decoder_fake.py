@@ -213,3 +213,19 @@ def test_stop_string_inside_an_accepted_run_ends_there(method):
         spec = engine.generate(request(engine, method=method, k=6, max_tokens=60, ignore_eos=True, stop=(stop,)))
         assert spec.text == plain.text == full.text[: full.text.index(stop)]
         assert spec.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("method", ["off", "ngram", "draft"])
+def test_every_streamed_token_names_who_produced_it(method):
+    """Each event's token_sources matches its token_ids one for one: "target" for the target's own
+    token of a round, the proposal's source for tokens it accepted (the playground colours them)."""
+    engine = make_engine(noise=0.2)
+    events = list(engine.stream(request(engine, method=method, max_tokens=60, k=4, ignore_eos=True)))
+    assert all(len(event.token_sources) == len(event.token_ids) for event in events)
+    sources = [source for event in events for source in event.token_sources]
+    stats = events[-1].stats
+    assert len(sources) == stats["generated_tokens"]
+    assert sources.count("target") == len(sources) - stats["accepted_tokens"]
+    assert set(sources) <= {"target", method}
+    if method == "draft":  # the fake draft agrees with the target most of the time
+        assert stats["accepted_tokens"] > 0 and set(sources) == {"target", "draft"}

@@ -22,6 +22,9 @@ from specdec.sampling.verify import verify, verify_deterministic, verify_greedy
 from specdec.types import GenerationRequest, Proposal, SpecdecError, StreamEvent
 
 
+TARGET_SOURCE = "target"  # a token the target chose itself (every round's last)
+
+
 class Generation:
     """One request's state. The engine core (core.py) drives it: `start()` once its prompt is
     processed, then per round `plan()`, the target's forward over the planned tokens, `commit()`."""
@@ -58,6 +61,7 @@ class Generation:
         self.stats = GenerationStats(method=request.spec.method, num_draft_tokens=k)
         self._k = k
         self._proposal: Optional[Proposal] = None
+        self._sources: list[str] = []  # of the tokens the next event carries
         self._started_at = 0.0
         self.cached_prompt_tokens = 0  # of the prompt, found in the slot's cache when it was admitted
 
@@ -114,12 +118,15 @@ class Generation:
         # Keep pending + the accepted drafts; the next token becomes the new pending one.
         self.target.truncate(len(self.context) + verdict.num_accepted)
         new_tokens: list[int] = []
+        # Who produced each token: the proposal's source for accepted ones, the target for its own.
+        sources = [proposal.source or self.request.spec.method] * verdict.num_accepted + [TARGET_SOURCE]
         for token in (*verdict.accepted_tokens, verdict.next_token):
             if not self._emit(token):
                 break
             new_tokens.append(token)
             if self.finished:  # a stop string or the token limit ended it mid-run
                 break
+        self._sources = sources[:len(new_tokens)]
         if self.stats.ttft_seconds is None:
             self.stats.ttft_seconds = self.clock() - self._started_at
         return self._event(new_tokens)
@@ -157,7 +164,8 @@ class Generation:
 
     def _event(self, new_tokens: list[int]) -> StreamEvent:
         delta = self.assembler.take_delta(final=self.finished)
+        sources, self._sources = self._sources[:len(new_tokens)], []
         if self.finished:
-            return StreamEvent(delta, new_tokens, self.finish_reason, self.stats.as_dict())
-        return StreamEvent(delta, new_tokens)
+            return StreamEvent(delta, new_tokens, self.finish_reason, self.stats.as_dict(), sources)
+        return StreamEvent(delta, new_tokens, token_sources=sources)
 
