@@ -74,6 +74,9 @@ class EngineCore:
         self.clock = clock or engine.clock
         self._active: dict[int, _Active] = {}  # handle -> its request, in admission order
         self._last_used = [0.0] * len(engine.slots)
+        # Whose text each slot's cache holds: a prefix is reused only for the same tenant, so no
+        # request learns (cached_tokens, or timing) what another tenant's prompt began with.
+        self._slot_tenant: list[Optional[str]] = [None] * len(engine.slots)
         self._handles = itertools.count(1)
         # What the current step is doing, read by a watchdog on another thread ("" when idle).
         self.stage = ""
@@ -96,9 +99,8 @@ class EngineCore:
         if not self.free_slots:
             raise NoFreeSlot()
         taken = {active.slot for active in self._active.values()}
-        prompt = request.prompt_token_ids[:-1]
         free = [i for i in range(len(self.engine.slots)) if i not in taken]
-        slot = max(free, key=lambda i: (self.engine.slots[i].target.reusable_prefix(prompt), -self._last_used[i]))
+        slot = max(free, key=lambda i: (self._reusable(i, request), -self._last_used[i]))
         handle = next(self._handles)
         self._active[handle] = _Active(request, slot, self.clock())
         return handle
@@ -174,14 +176,22 @@ class EngineCore:
         raise AssertionError("generation ended without a final event")
 
     # -- stages ------------------------------------------------------------------------------
+    def _reusable(self, slot: int, request: GenerationRequest) -> int:
+        if self._slot_tenant[slot] != request.tenant:
+            return 0
+        return self.engine.slots[slot].target.reusable_prefix(request.prompt_token_ids[:-1])
+
     def _begin(self, active: _Active) -> None:
         engine = self.engine
         active.generation = engine.new_generation(active.request, slot=active.slot)
-        target = engine.slots[active.slot].target
-        if engine.config.prefix_cache:
-            active.generation.cached_prompt_tokens = target.reuse_prefix(active.request.prompt_token_ids[:-1])
-        else:
-            target.clear()
+        slot = engine.slots[active.slot]
+        if engine.config.prefix_cache and self._slot_tenant[active.slot] == active.request.tenant:
+            active.generation.cached_prompt_tokens = slot.target.reuse_prefix(active.request.prompt_token_ids[:-1])
+        else:  # another tenant's text: nothing of it is reused
+            slot.target.clear()
+            if slot.draft is not None:
+                slot.draft.clear()
+        self._slot_tenant[active.slot] = active.request.tenant
 
     def _prefill(self, items: list, budget: int) -> None:
         for handle, active in list(self._active.items()):

@@ -324,8 +324,14 @@ class Scheduler:
             engine.close()
 
     def _admit(self) -> None:
+        """Free slots go to waiting requests in arrival order, except that a tenant holding more
+        slots than another waiting tenant waits behind it (a fair share of the slots)."""
         while self._waiting and self.core.free_slots:
-            ticket = self._waiting.popleft()
+            holding: dict = {}
+            for run in self._running.values():
+                holding[run.ticket.request.tenant] = holding.get(run.ticket.request.tenant, 0) + 1
+            ticket = min(self._waiting, key=lambda t: holding.get(t.request.tenant, 0))  # first of the fewest
+            self._waiting.remove(ticket)
             handle = self.core.add(ticket.request)
             self._running[handle] = _Running(ticket, handle)
 
