@@ -82,13 +82,15 @@ ik_patched() {  # this very build (version, patch level, flags) is the one insta
 install_ik_build() {  # the built wheel into the venv, with the flags it needs beside its library
   .venv/bin/python -m pip install -q --force-reinstall --no-deps "$ik_wheel_dir"/ik_llama_cpp_python-*.whl &&
     cp "$ik_wheel_dir/cpu-flags" "$(ik_lib_dir)/cpu-flags" &&
-    basename "$ik_wheel_dir" > "$(ik_lib_dir)/specdec-build" &&
-    rm -f "$ik_pending"
+    basename "$ik_wheel_dir" > "$(ik_lib_dir)/specdec-build"
 }
 ik_built() { ls "$ik_wheel_dir"/ik_llama_cpp_python-*.whl >/dev/null 2>&1; }
 build_ik() { bash scripts/build_ik.sh .venv/bin/python "$IK_LLAMA_CPP_PYTHON_VERSION" "$ik_wheel_dir" "$ik_cmake_args" "$ik_cpu_flags"; }
 
 if $ik_runs; then
+  # A server started before the build was installed switches to it (server/upgrade.py); from now
+  # on the venv has it.
+  ik_patched && rm -f "$ik_pending"
   if ! ik_patched; then
     if ! ik_built && [ "$MODE" = test ]; then
       echo "specdec: building ik_llama.cpp $IK_LLAMA_CPP_PYTHON_VERSION with specdec's patch (log: $ik_wheel_dir/build.log)" >&2
