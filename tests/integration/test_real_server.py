@@ -44,7 +44,7 @@ def test_concurrent_streams_equal_single_requests(real_engine):
             return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
 
         alone = [ask(p, "off") for p in PROMPTS]
-        for method in ("ngram", "draft"):
+        for method in ("off", "ngram", "draft"):  # off too: plain decoding's streams share forwards
             with ThreadPoolExecutor(len(PROMPTS)) as pool:
                 together = list(pool.map(lambda p: ask(p, method), PROMPTS))
             assert together == alone, method
