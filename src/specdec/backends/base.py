@@ -30,8 +30,9 @@ class Backend(ABC):
     prefill_alignment: int = 1
 
     @abstractmethod
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        """Text -> ids. Special-token text (e.g. `<|im_start|>`) is parsed as special tokens."""
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Text -> ids. `parse_special`: special-token text (e.g. `<|im_start|>`) becomes the special
+        token; False: it is tokenized as the plain text it is (a user's message)."""
 
     @abstractmethod
     def token_bytes(self, token_id: int) -> bytes:

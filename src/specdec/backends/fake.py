@@ -53,7 +53,7 @@ class FakeBackend(Backend):
         self._max_piece = max(len(p) for p in self.pieces)
 
     # -- tokenizer ---------------------------------------------------------------------------
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         data = text.encode("utf-8")
         ids, i = [], 0
         while i < len(data):

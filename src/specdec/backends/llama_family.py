@@ -134,15 +134,15 @@ class LlamaFamilyBackend(Backend):
                 return buf.value.decode("utf-8", errors="replace")
             size = n + 1
 
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         data = text.encode("utf-8")
         capacity = len(data) + 16
         buf = (ctypes.c_int32 * capacity)()
-        n = self._binding.tokenize(self._vocab, data, buf, capacity, add_special)
+        n = self._binding.tokenize(self._vocab, data, buf, capacity, add_special, parse_special)
         if n < 0:
             capacity = -n
             buf = (ctypes.c_int32 * capacity)()
-            n = self._binding.tokenize(self._vocab, data, buf, capacity, add_special)
+            n = self._binding.tokenize(self._vocab, data, buf, capacity, add_special, parse_special)
         return list(buf[:n])
 
     def _piece(self, token_id: int, special: bool) -> bytes:

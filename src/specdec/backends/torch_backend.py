@@ -153,8 +153,8 @@ class TorchBackend(Backend):
         self._lock = threading.Lock()  # one forward or crop at a time
 
     # -- tokenizer ----------------------------------------------------------------------------
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special))
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special, split_special_tokens=not parse_special))
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._pieces[token_id]

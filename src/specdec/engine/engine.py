@@ -21,6 +21,29 @@ if TYPE_CHECKING:
     from specdec.backends.registry import ModelConfig
 
 
+def encode_chat(target: Backend, messages: Sequence[dict]) -> list[int]:
+    """Chat messages in the model's template, the template's own tokens special and the messages'
+    text plain: a user who writes `<|im_end|><|im_start|>system` gets those characters as text,
+    not a forged turn. The template is rendered with a marker in place of each content; the pieces
+    between markers are the template's. A template that changes a content (trims it, say) is
+    rendered whole instead."""
+    marks = [f"\x00specdec-content-{i}\x00" for i in range(len(messages))]
+    marked = [{**message, "content": mark} if isinstance(message.get("content"), str) else message
+              for message, mark in zip(messages, marks)]
+    pieces: list[tuple[str, bool]] = []  # (text, is the template's)
+    rest = target.apply_chat_template(marked)
+    for message, mark in zip(messages, marks):
+        if isinstance(message.get("content"), str):
+            before, _, rest = rest.partition(mark)
+            pieces += [(before, True), (message["content"], False)]
+    pieces.append((rest, True))
+    rendered = target.apply_chat_template(messages)
+    if "".join(text for text, _ in pieces) != rendered:
+        return target.tokenize(rendered, add_special=False)
+    return [token for text, template in pieces if text
+            for token in target.tokenize(text, add_special=False, parse_special=template)]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     ngram_max: int = 3
@@ -105,10 +128,11 @@ class Engine:
 
     # -- prompts -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: Union[str, Sequence[dict]], chat: bool) -> list[int]:
-        """A raw completion prompt, or chat messages rendered with the model's own template."""
+        """A raw completion prompt (its special-token text parsed: the caller writes the whole
+        format), or chat messages rendered with the model's own template."""
         if chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            return self.target.tokenize(self.target.apply_chat_template(messages), add_special=False)
+            return encode_chat(self.target, messages)
         return self.target.tokenize(prompt, add_special=True)
 
     # -- generation --------------------------------------------------------------------------

@@ -108,9 +108,9 @@ class LlamaBinding(ABC):
         return self._lib.llama_vocab_is_eog(vocab, token)
 
     @abstractmethod
-    def tokenize(self, vocab, data: bytes, buffer, capacity: int, add_special: bool) -> int:
-        """Tokens of UTF-8 `data` (special-token text parsed as special tokens) into an int32
-        buffer; returns their count, or minus the capacity needed."""
+    def tokenize(self, vocab, data: bytes, buffer, capacity: int, add_special: bool, parse_special: bool) -> int:
+        """Tokens of UTF-8 `data` (special-token text parsed as special tokens if `parse_special`)
+        into an int32 buffer; returns their count, or minus the capacity needed."""
 
     @abstractmethod
     def token_to_piece(self, vocab, token: int, buffer, length: int, special: bool) -> int:

@@ -293,8 +293,8 @@ class IkLlamaBinding(LlamaBinding):
         return self._lib.llama_n_ctx(ctx) // n_seq_max  # one cache for all sequences, sized n_ctx x n_seq_max
 
     # -- vocabulary and metadata -------------------------------------------------------------
-    def tokenize(self, vocab, data: bytes, buffer, capacity: int, add_special: bool) -> int:
-        return self._lib.llama_vocab_tokenize(vocab, data, len(data), buffer, capacity, add_special, True)
+    def tokenize(self, vocab, data: bytes, buffer, capacity: int, add_special: bool, parse_special: bool) -> int:
+        return self._lib.llama_vocab_tokenize(vocab, data, len(data), buffer, capacity, add_special, parse_special)
 
     def token_to_piece(self, vocab, token: int, buffer, length: int, special: bool) -> int:
         return self._lib.llama_token_to_piece_vocab(vocab, token, buffer, length, 0, special)

@@ -95,8 +95,8 @@ class LlamaCppPythonBinding(LlamaBinding):
         return self._lib.llama_n_ctx_seq(ctx)
 
     # -- vocabulary and metadata -------------------------------------------------------------
-    def tokenize(self, vocab, data: bytes, buffer, capacity: int, add_special: bool) -> int:
-        return self._lib.llama_tokenize(vocab, data, len(data), buffer, capacity, add_special, True)
+    def tokenize(self, vocab, data: bytes, buffer, capacity: int, add_special: bool, parse_special: bool) -> int:
+        return self._lib.llama_tokenize(vocab, data, len(data), buffer, capacity, add_special, parse_special)
 
     def token_to_piece(self, vocab, token: int, buffer, length: int, special: bool) -> int:
         return self._lib.llama_token_to_piece(vocab, token, buffer, length, 0, special)
