@@ -65,6 +65,10 @@ def backend_config(args: argparse.Namespace) -> BackendConfig:
     if getattr(args, "backend", None) is None:
         choice = saved_choice() or default_config()
         return replace(choice, exact=exact, repacked=choice.repacked or repacked)
+    entry = backend_entry(args.backend)
+    if repacked and not entry.repacks:
+        raise SpecdecError(f"--repacked applies to ik_llama.cpp only, not {args.backend}.")
+    return BackendConfig(args.backend, (dtype or entry.dtypes[0]) if entry.dtypes else None, exact, repacked)
 
 
 def chosen_by_rule(args: argparse.Namespace) -> bool:
@@ -73,10 +77,6 @@ def chosen_by_rule(args: argparse.Namespace) -> bool:
     from specdec.machine_profile import saved_choice
 
     return getattr(args, "backend", None) is None and saved_choice() is None
-    entry = backend_entry(args.backend)
-    if repacked and not entry.repacks:
-        raise SpecdecError(f"--repacked applies to ik_llama.cpp only, not {args.backend}.")
-    return BackendConfig(args.backend, (dtype or entry.dtypes[0]) if entry.dtypes else None, exact, repacked)
 
 
 def default_config() -> BackendConfig:
