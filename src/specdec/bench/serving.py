@@ -99,10 +99,11 @@ async def one_request(client: httpx.AsyncClient, config: ServedConfig, prompt: B
 
 
 def engine_request(config: ServedConfig, prompt: BenchPrompt, max_tokens: int) -> dict:
+    from specdec.bench.runner import reset_between_generations
     from specdec.types import GenerationRequest, SpecConfig
 
     engine = config.engine
-    engine.clear_cache()  # as a fresh `specdec generate`: nothing cached
+    reset_between_generations(engine)  # as a fresh `specdec generate`: nothing cached, no history
     ids = tuple(engine.encode_prompt(list(prompt.messages), chat=True))
     started = time.perf_counter()
     result = engine.generate(GenerationRequest(ids, max_tokens, spec=SpecConfig(config.method)))
