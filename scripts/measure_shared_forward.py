@@ -82,6 +82,29 @@ def main() -> None:
                 for slot in range(n):
                     shared.truncate(slot, min(300, len(prompts[slot % len(prompts)])))
             print(f"k={k}: {n} stream(s) in one forward: median {np.median(times) * 1e3:.1f} ms")
+    # One stream in the last slot while every other slot holds an idle prompt below it.
+    for slot in range(args.slots):
+        shared.truncate(slot, 0)
+        shared.eval(slot, 0, prompts[3], prefill=True)
+    last = args.slots - 1
+    shared.truncate(last, 0)
+    shared.eval(last, 0, prompts[0], prefill=True)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        shared.eval_many([(last, len(prompts[0]), draft[:1])])
+        times.append(time.perf_counter() - t0)
+        shared.truncate(last, len(prompts[0]))
+    alone.truncate(0, 0)
+    alone.eval(0, 0, prompts[0], prefill=True)
+    solo = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        alone.eval(0, len(prompts[0]), draft[:1])
+        solo.append(time.perf_counter() - t0)
+        alone.truncate(0, len(prompts[0]))
+    print(f"one stream in slot {last}, the others idle below it: {np.median(times) * 1e3:.1f} ms a step "
+          f"(a context of its own: {np.median(solo) * 1e3:.1f} ms)")
     alone.close()
     shared.close()
 

@@ -24,8 +24,9 @@
 #    of the next llama_decode, and the graph stores each token's K and V at its own cell
 #    (ggml_set_rows) instead of at one run from the cache head: specdec keeps every sequence in
 #    blocks of cells of its own, aligned and in order, so that several sequences share one call
-#    and one cache while each is summed as if alone; the call names how many cells its attention
-#    spans (those of its own sequences), so idle sequences' cells above cost it nothing
+#    and one cache while each is summed as if alone; the call names the cells its attention
+#    spans (from the first block of its sequences to their last cell), so idle sequences' cells
+#    outside cost it nothing
 #    (docs/exactness.md, "Streams sharing a forward").
 set -euo pipefail
 sdist=${1:?usage: patch_ik_llama_cpp.sh IK_LLAMA_CPP_PYTHON_SDIST_DIR}
@@ -100,7 +101,9 @@ if CELLS_MARKER not in llama_cpp.read_text():
                  "    // of the batch being computed; empty: the first free run, as ik does\n"
                  "    std::vector<int32_t> specdec_next_cells;\n"
                  "    std::vector<int32_t> specdec_cells;\n"
-                 "    uint32_t specdec_next_n_kv = 0; // cells the next decode's attention spans (0: ik's rule)\n")
+                 "    uint32_t specdec_next_n_kv = 0; // cells the next decode's attention spans (0: ik's rule)\n"
+                 "    uint32_t specdec_next_kv_first = 0; // and the first of them (a multiple of specdec's block)\n"
+                 "    uint32_t specdec_kv_first = 0; // that of the batch being computed\n")
     replace_once(context_h, "    struct ggml_tensor * inp_KQ_mask;     // F32 [kv_size, n_batch]\n",
                  "    struct ggml_tensor * inp_KQ_mask;     // F32 [kv_size, n_batch]\n"
                  "    struct ggml_tensor * specdec_k_idxs = nullptr; // I64 [n_batch]: each token's cell (specdec)\n"
@@ -157,6 +160,7 @@ if CELLS_MARKER not in llama_cpp.read_text():
     replace_once(llama_cpp, "    // otherwise, one cell per token.\n", """    // otherwise, one cell per token.
 
     cache.specdec_cells.clear();
+    cache.specdec_kv_first = 0;
     if (!cache.specdec_next_cells.empty()) {
         // specdec: the cells the caller chose, each free, one per token
         std::vector<int32_t> chosen;
@@ -181,6 +185,7 @@ if CELLS_MARKER not in llama_cpp.read_text():
         cache.used += n_tokens;
         cache.head = 0; // the graph stores by cell, not from the head
         cache.n = cache.specdec_next_n_kv;
+        cache.specdec_kv_first = cache.specdec_next_kv_first;
         cache.specdec_cells = std::move(chosen);
         return true;
     }
@@ -190,7 +195,7 @@ if CELLS_MARKER not in llama_cpp.read_text():
 """, """                auto max_cell = llama_kv_cache_cell_max(kv_self, pad);
                 // specdec: the cells its caller named span the attention (its own sequences' cells)
                 if (!kv_self.specdec_cells.empty() && kv_self.n > 0) max_cell = kv_self.n;
-                kv_self.n = std::min(kv_self.size, std::max(pad, GGML_PAD(max_cell, pad)));
+                kv_self.n = std::min(kv_self.size - kv_self.specdec_kv_first, std::max(pad, GGML_PAD(max_cell, pad)));
 """)
     replace_once(llama_cpp, "    if (batch.pos && lctx.inp_pos) {\n", """    if (lctx.specdec_k_idxs) {
         // specdec: the cell of each token, and of each element of its transposed V
@@ -213,12 +218,44 @@ if CELLS_MARKER not in llama_cpp.read_text():
 
     if (batch.pos && lctx.inp_pos) {
 """)
+    text = build_context.read_text()
+    k_view = """        ggml_view_3d(ctx, k_cache,
+                n_embd_head_k, n_kv, n_head_kv,
+                ggml_row_size(k_cache->type, n_embd_head_k)*n_head_kv, //n_embd_k_gqa),
+                ggml_row_size(k_cache->type, n_embd_head_k),
+                0);
+"""
+    v_view = """            v = ggml_view_3d(ctx, v_cache,
+                    n_kv, n_embd_head_v, n_head_kv,
+                    ggml_element_size(v_cache)*n_ctx,
+                    ggml_element_size(v_cache)*n_ctx*n_embd_head_v,
+                    0);
+"""
+    for old, new in ((k_view, k_view.replace("                0);", "                ggml_row_size(k_cache->type, n_embd_head_k)*n_head_kv*kv.specdec_kv_first); // specdec: from the window's first cell")),
+                     (v_view, v_view.replace("                    0);", "                    ggml_element_size(v_cache)*kv.specdec_kv_first); // specdec"))):
+        if text.count(old) != 1:
+            sys.exit(f"patch_ik_llama_cpp.sh: an attention view not found once in {build_context}")
+        text = text.replace(old, new)
+    anchor = "    struct ggml_tensor * cur;\n\n    if (cparams.flash_attn) {\n        GGML_UNUSED(model);"
+    if text.count(anchor) != 1:
+        sys.exit(f"patch_ik_llama_cpp.sh: the attention branch not found once in {build_context}")
+    text = text.replace(anchor, "    GGML_ASSERT(kv.specdec_kv_first == 0 || (!cparams.flash_attn && kv.v_trans)); // specdec: windows only there\n" + anchor)
+    build_context.write_text(text)
+    text = llama_cpp.read_text()
+    start = text.index("    if (lctx.inp_KQ_mask || lctx.inp_KQ_mask_swa) {\n")
+    end = text.index("    if (cparams.embeddings && cparams.pooling_type == LLAMA_POOLING_TYPE_MEAN) {", start)
+    region = re.sub(r"(lctx\.)?kv_self\.cells\[i\]", lambda m: f"{m[1] or ''}kv_self.cells[{m[1] or ''}kv_self.specdec_kv_first + i]",
+                    text[start:end])
+    if region.count("specdec_kv_first") < 10:
+        sys.exit(f"patch_ik_llama_cpp.sh: the KQ mask's cell reads not found in {llama_cpp}")
+    llama_cpp.write_text(text[:start] + region + text[end:])
     llama_cpp.write_text(llama_cpp.read_text() + """
 // specdec: the cells the next llama_decode's tokens take, one per token in batch order
 // (scripts/patch_ik_llama_cpp.sh, part 4)
-// and the cells its attention spans (n_kv: above every cell of the call's sequences)
-extern "C" __attribute__((visibility("default"))) void specdec_kv_set_cells(struct llama_context * ctx, const int32_t * cells, int32_t n, int32_t n_kv) {
+// and the cells its attention spans: n_kv from kv_first (the first block of the call's sequences)
+extern "C" __attribute__((visibility("default"))) void specdec_kv_set_cells(struct llama_context * ctx, const int32_t * cells, int32_t n, int32_t kv_first, int32_t n_kv) {
     ctx->kv_self.specdec_next_cells.assign(cells, cells + n);
+    ctx->kv_self.specdec_next_kv_first = (uint32_t) kv_first;
     ctx->kv_self.specdec_next_n_kv = (uint32_t) n_kv;
 }
 """ + CELLS_MARKER)

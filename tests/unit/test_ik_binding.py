@@ -161,6 +161,28 @@ void llm_build_context::llm_build_kv_store(int il) {
     store_from_head();
 }
 
+static ggml_tensor * llm_build_kqv(const llama_kv_cache & kv) {
+    struct ggml_tensor * k =
+        ggml_view_3d(ctx, k_cache,
+                n_embd_head_k, n_kv, n_head_kv,
+                ggml_row_size(k_cache->type, n_embd_head_k)*n_head_kv, //n_embd_k_gqa),
+                ggml_row_size(k_cache->type, n_embd_head_k),
+                0);
+    struct ggml_tensor * cur;
+
+    if (cparams.flash_attn) {
+        GGML_UNUSED(model);
+    } else {
+        if (kv.v_trans) {
+            v = ggml_view_3d(ctx, v_cache,
+                    n_kv, n_embd_head_v, n_head_kv,
+                    ggml_element_size(v_cache)*n_ctx,
+                    ggml_element_size(v_cache)*n_ctx*n_embd_head_v,
+                    0);
+        }
+    }
+}
+
 ggml_cgraph * llm_build_context::build_qwen2() {
     bool is_warming_up = lctx.n_eval == 0 && (batch.n_tokens == 1 && (batch.token[0] == ((bos != -1) ? bos : eos)));
 }
@@ -178,6 +200,15 @@ LLAMA_CPP = """static bool llama_kv_cache_find_slot() {
 }
 static void llama_set_inputs() {
     if (batch.pos && lctx.inp_pos) {
+    }
+    if (lctx.inp_KQ_mask || lctx.inp_KQ_mask_swa) {
+        auto f = [&lctx] (int i) { return lctx.kv_self.cells[i].pos + lctx.kv_self.cells[i].pos + lctx.kv_self.cells[i].pos; };
+        float g = lctx.kv_self.cells[i].pos + lctx.kv_self.cells[i].pos + lctx.kv_self.cells[i].pos;
+        float h = lctx.kv_self.cells[i].pos + lctx.kv_self.cells[i].pos + kv_self.cells[i].pos;
+        float e = lctx.kv_self.cells[i].pos;
+    }
+    if (cparams.embeddings && cparams.pooling_type == LLAMA_POOLING_TYPE_MEAN) {
+        use(kv_self.cells[i]);
     }
 }
 static int llama_decode_internal() {
@@ -213,6 +244,10 @@ def test_the_patch_sends_one_row_down_the_multi_row_branch_and_builds_the_librar
     assert warm_up.count(ik_llama.EMBEDDINGS_ONE_ROW_SYMBOL) == 2
     placed = llama_cpp.read_text()  # tokens stored at the cells the caller names
     assert placed.count(ik_llama.KV_CELLS_SYMBOL) == 2 and "specdec_kv_set_cells" in placed
+    # the mask's columns from the attention window's first cell, and nothing outside the mask's code
+    assert placed.count("lctx.kv_self.cells[lctx.kv_self.specdec_kv_first + i]") == 9
+    assert placed.count(" kv_self.cells[kv_self.specdec_kv_first + i]") == 1 and "use(kv_self.cells[i])" in placed
+    assert "n_head_kv*kv.specdec_kv_first" in warm_up and "ggml_element_size(v_cache)*kv.specdec_kv_first" in warm_up
     assert "ggml_set_rows" in warm_up and "specdec_next_cells" in (build_context.parent / "llama-context.h").read_text()
     build = cmakelists.read_text()
     assert "TARGETS llama ggml" in build

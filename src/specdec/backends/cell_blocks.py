@@ -39,6 +39,10 @@ class CellBlocks:
             out.append(blocks[index] * self.block + offset)
         return out
 
+    def first_cell(self, seq: int) -> int:
+        """The first cell of the sequence's first block (a call's attention starts at its sequences' lowest)."""
+        return self._blocks[seq][0] * self.block
+
     def truncate(self, seq: int, length: int) -> None:
         """`seq` keeps positions < length: the blocks wholly past them are free again."""
         blocks = self._blocks.get(seq, [])

@@ -215,11 +215,14 @@ class LlamaFamilyBackend(Backend):
         empty = np.zeros((0, self.vocab_size), dtype=np.float32)
         return [np.stack(rows) if rows else empty for rows in outputs]
 
-    def _cells_of(self, call: list) -> tuple["ctypes.Array", int]:
+    def _cells_of(self, call: list) -> tuple["ctypes.Array", int, int]:
         """Each row's cell in the shared cache (cell_blocks.py), and the cells the call's attention
-        spans: up to its highest, since a sequence's later positions sit at higher cells."""
-        chosen = [self._cell_blocks.cells(self._context_of(row.seq_id)[1], [row.position])[0] for row in call]
-        return (ctypes.c_int32 * len(chosen))(*chosen), max(chosen) + 1
+        spans: from its sequences' first block to its highest cell (a sequence's later positions
+        sit at higher cells), so that other sequences' cells outside cost it nothing."""
+        local = [self._context_of(row.seq_id)[1] for row in call]
+        chosen = [self._cell_blocks.cells(seq, [row.position])[0] for seq, row in zip(local, call)]
+        first = min(self._cell_blocks.first_cell(seq) for seq in set(local))
+        return (ctypes.c_int32 * len(chosen))(*chosen), first, max(chosen) + 1 - first
 
     def truncate(self, seq_id: int, length: int) -> None:
         ctx, local_id = self._context_of(seq_id)

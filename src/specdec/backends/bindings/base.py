@@ -136,9 +136,9 @@ class LlamaBinding(ABC):
         """A float pointer to the logits of the last decode's i-th row."""
         return self._lib.llama_get_logits_ith(ctx, i)
 
-    def set_cells(self, ctx, cells, n_kv: int) -> None:
-        """The cell of each token of the next decode (an int32 array), and how many cells its
-        attention spans (above every cell of its sequences), where rules say cell_ranges."""
+    def set_cells(self, ctx, cells, kv_first: int, n_kv: int) -> None:
+        """The cell of each token of the next decode (an int32 array), and the cells its attention
+        spans (n_kv from kv_first, covering every cell of its sequences), where rules say cell_ranges."""
         raise NotImplementedError(f"{self.name} places tokens in cells of its own choosing")
 
     @abstractmethod

@@ -232,7 +232,8 @@ class IkLlamaBinding(LlamaBinding):
             function = getattr(self._lib, name)
             function.argtypes, function.restype = argtypes, restype
         if self.kv_cells:
-            self._lib.specdec_kv_set_cells.argtypes = [_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32, ctypes.c_int32]
+            self._lib.specdec_kv_set_cells.argtypes = [_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32, ctypes.c_int32,
+                                                        ctypes.c_int32]
             self._lib.specdec_kv_set_cells.restype = None
         self._silence = log_callback_type(lambda level, text, user_data: None)  # kept: C calls it
         if not os.environ.get("SPECDEC_LLAMA_LOG"):
@@ -300,8 +301,8 @@ class IkLlamaBinding(LlamaBinding):
         return self._lib.llama_token_to_piece_vocab(vocab, token, buffer, length, 0, special)
 
     # -- evaluation --------------------------------------------------------------------------
-    def set_cells(self, ctx, cells, n_kv: int) -> None:
-        self._lib.specdec_kv_set_cells(ctx, cells, len(cells), n_kv)
+    def set_cells(self, ctx, cells, kv_first: int, n_kv: int) -> None:
+        self._lib.specdec_kv_set_cells(ctx, cells, len(cells), kv_first, n_kv)
 
     def seq_rm(self, ctx, seq_id: int, start: int) -> None:
         self._lib.llama_kv_cache_seq_rm(ctx, seq_id, start, -1)
