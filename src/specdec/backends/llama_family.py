@@ -237,6 +237,7 @@ class LlamaFamilyBackend(Backend):
         return {
             **super().describe(),
             "model": str(self.model_path),
+            "library": str(getattr(self._binding, "path", "")) or None,  # a build's costs are its own
             "threads": self.n_threads,
             "exact": self.exact,
             "flash_attn": self.rules.flash_attn,
