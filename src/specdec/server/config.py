@@ -20,3 +20,4 @@ class ServerConfig:
     retry_after: int = 1  # seconds, in the Retry-After header of a 429
     prefill_chunk: int = 512  # prompt tokens processed per scheduler iteration (long prompts don't stall others)
     batch_verify: bool = True  # one batched target forward for all sequences; False: one forward each
+    switch_to_better_build: bool = True  # move onto specdec's ik build once its background build is done (upgrade.py)
