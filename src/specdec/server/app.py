@@ -54,8 +54,8 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None,
     metrics = ServerMetrics(config.served_model_name)
     scheduler = Scheduler(engine, config, metrics)
     metrics.track_scheduler(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
-    metrics.track_caches(lambda: cross_request_sizes(engine)[0], lambda: cross_request_sizes(engine)[1],
-                         lambda: sum(len(slot.target.tokens) for slot in engine.slots))
+    metrics.track_caches(lambda: cross_request_sizes(scheduler.engine)[0], lambda: cross_request_sizes(scheduler.engine)[1],
+                         lambda: sum(len(slot.target.tokens) for slot in scheduler.engine.slots))
 
     drain = Drain(scheduler, config.drain_grace)
 
@@ -81,6 +81,8 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None,
     app.openapi = lambda: openapi_document(app, STREAM_CHUNKS)
     app.state.specdec = ServerState(engine, config, scheduler, metrics, int(time.time()), drain,
                                     metrics_exposition)
+    # A server that moves onto a better build (upgrade.py) tokenizes with the new engine from then on.
+    scheduler.engine_listeners.append(lambda new: setattr(app.state.specdec, "engine", new))
     install_error_handlers(app)
     app.include_router(router)
     if config.api_key:
