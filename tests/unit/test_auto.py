@@ -109,6 +109,54 @@ def test_exploits_an_uneven_cost_curve():
     assert (option.source, option.length) == ("ngram", 3)
 
 
+def zen5_costs(draft_step=0.013):
+    """The shape of ik_llama.cpp's repacked costs on a 2-core Zen 5: a second row nearly free,
+    then each row about a fifth of a step."""
+    shape = (1.0, 1.02, 1.35, 1.69, 1.9, 2.1, 2.3, 2.54, 2.8)
+    return CostModel({n: 0.0266 * v for n, v in enumerate(shape, start=1)}, draft_step)
+
+
+def test_in_a_forward_shared_by_several_streams_rows_are_priced_at_what_they_add():
+    # Alone, a prompt-lookup token accepted 40 % of the time pays for its nearly free row; in a
+    # forward of four streams a row adds half of a stream's share, and plain decoding gives the
+    # forward more tokens per second.
+    drafter = drafter_with(zen5_costs(), ngram_rate=0.4, draft_rate=0.0)
+    assert drafter.plan(offers(ngram=4), k=4).source == "ngram"
+    drafter.share_round(4)
+    assert drafter.plan(offers(ngram=4), k=4).source == "off"
+    drafter.share_round(1)
+    assert drafter.plan(offers(ngram=4), k=4).source == "ngram"
+
+
+def test_a_draft_models_serial_steps_are_charged_to_the_whole_shared_forward():
+    drafter = drafter_with(zen5_costs(draft_step=0.004), ngram_rate=0.0, draft_rate=0.9)
+    assert drafter.plan({}, k=4).source == "draft"
+    drafter.share_round(8)
+    assert drafter.plan({}, k=4).source == "off"
+
+
+def test_the_engine_core_tells_each_stream_how_many_share_its_forward():
+    seen = []
+
+    class Recording(AutoDrafter):
+        def share_round(self, streams):
+            seen.append(streams)
+            super().share_round(streams)
+
+    engine = Engine(FakeBackend(seed=3), n_slots=3)
+    for slot in engine.slots:
+        slot.drafters["auto"] = Recording(linear_costs())
+    engine.cost_model = linear_costs()
+    core = engine.core
+    request = GenerationRequest(tuple(engine.encode_prompt([{"role": "user", "content": "a b c"}], chat=True)),
+                                6, SamplingParams(), SpecConfig("auto", 3))
+    for _ in range(3):
+        core.add(request)
+    while core.busy:
+        core.step()
+    assert 3 in seen and set(seen) <= {1, 2, 3}
+
+
 def test_learns_ngram_acceptance_from_shadow_proposals_without_proposing():
     drafter = AutoDrafter(linear_costs(per_token=0.05), None)
     text = [1, 2, 3, 4] * 12  # perfectly repetitive: every continuation is right

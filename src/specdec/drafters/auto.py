@@ -243,6 +243,7 @@ class AutoDrafter(Drafter):
         self._draft_seconds_ratios: deque[float] = deque([1.0] * DRAFT_SCALE_PRIOR, maxlen=DRAFT_SCALE_WINDOW)
         self.priors = {"draft": draft_prior, "hybrid": draft_prior}
         self.context_index = SuffixIndex(max_ngram)
+        self.streams = 1  # streams sharing the coming verification forward (share_round)
         self.begin(())
 
     def begin(self, prompt, history: Optional[TenantHistory] = None) -> None:
@@ -264,10 +265,24 @@ class AutoDrafter(Drafter):
         # that never uses it never pays for processing the prompt on it.
 
     # -- the policy ----------------------------------------------------------------------------
+    def share_round(self, streams: int) -> None:
+        self.streams = max(1, streams)
+
+    def target_seconds(self, rows: int) -> float:
+        """What a round of `rows` rows of this stream costs it. Alone: t(rows). In a forward shared
+        by N streams (each assumed to bring one row): its share of the plain round, t(N) / N, plus
+        what its further rows add, t(N + rows - 1) - t(N); an option then beats plain decoding
+        exactly when it raises the whole forward's tokens per second. Priced as if alone, four
+        streams on a Zen 5 decoded slower with auto than with off."""
+        if self.streams == 1:
+            return self.cost.target(rows)
+        shared = self.cost.target(self.streams)
+        return shared / self.streams + self.cost.target(self.streams + rows - 1) - shared
+
     def options(self, available: dict[str, Offer], k: int) -> list[Option]:
         """Every proposal worth pricing, with its expected tokens per second; `available` holds
         what each n-gram source offers this round. Called every round: kept cheap."""
-        target = [self.cost.target(n) for n in range(1, k + 2)]  # target[n - 1] = t(n)
+        target = [self.target_seconds(n) for n in range(1, k + 2)]  # target[n - 1]: n rows
         options = [Option("off", 0, 1.0 / target[0])]
         source_rates = {source: self.estimates[source].rates(len(offer.tokens[:k]), offer.evidence)
                         for source, offer in available.items()}
@@ -311,9 +326,9 @@ class AutoDrafter(Drafter):
         if self.model_drafter is None or not self.cost.draft_step_seconds:
             return False
         draft_step = self.cost.draft_step_seconds * self.draft_seconds_scale
-        best = max(expected_tokens([acceptance] * j) / (self.cost.target(1 + j) + j * draft_step)
+        best = max(expected_tokens([acceptance] * j) / (self.target_seconds(1 + j) + j * draft_step)
                    for j in range(1, k + 1))
-        return best > (1.0 + self.margin) / self.cost.target(1)
+        return best > (1.0 + self.margin) / self.target_seconds(1)
 
     def _draft_prompt_is_cheap(self, prompt: Sequence[int]) -> bool:
         """Whether the draft model processes this prompt with the target's (EAGER_DRAFT_PROMPT_STEPS):
@@ -450,7 +465,7 @@ class AutoDrafter(Drafter):
 
         def row(position: int) -> float:
             """Seconds of verifying the proposal's token at `position` (0-based)."""
-            return self.cost.target(position + 2) - self.cost.target(position + 1)
+            return self.target_seconds(position + 2) - self.target_seconds(position + 1)
 
         def keep_drafting(position: int, confidence: float) -> Extent:
             nonlocal reach

@@ -224,6 +224,8 @@ class EngineCore:
 
     def _start(self, active: _Active) -> list[Item]:
         generation = active.generation
+        # Whether a draft model may pay (and is worth the prompt now) depends on the company it has.
+        generation.drafter.share_round(1 + sum(1 for other in self._active.values() if other.started))
         generation.start(started_at=active.added_at)
         active.started = True
         items: list[Item] = [Started(len(active.request.prompt_token_ids), generation.cached_prompt_tokens)]
@@ -233,12 +235,14 @@ class EngineCore:
 
     def _decode(self, items: list, batched: bool) -> None:
         running, plans = [], []
-        for handle, active in self._active.items():
-            if active.started and not active.generation.finished and not self._failed(items, handle):
-                tokens = self._guarded(items, handle, active.generation.plan)  # drafting: per sequence
-                if tokens is not None:
-                    running.append(handle)
-                    plans.append(tokens)
+        ready = [(handle, active) for handle, active in self._active.items()
+                 if active.started and not active.generation.finished and not self._failed(items, handle)]
+        streams = len(ready) if batched else 1  # sequential forwards: each stream is priced alone
+        for handle, active in ready:
+            tokens = self._guarded(items, handle, active.generation.plan, streams)  # drafting: per sequence
+            if tokens is not None:
+                running.append(handle)
+                plans.append(tokens)
         if not running:
             return
         generations = [self._active[handle].generation for handle in running]

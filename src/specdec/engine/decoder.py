@@ -83,8 +83,10 @@ class Generation:
         if self.request.max_tokens is not None and self.request.max_tokens <= 0:
             self._finish("length")
 
-    def plan(self) -> list[int]:
-        """Ask the drafter for a proposal; returns the tokens the target must evaluate."""
+    def plan(self, streams: int = 1) -> list[int]:
+        """Ask the drafter for a proposal; returns the tokens the target must evaluate.
+        `streams`: how many generations' rows the verification forward holds, this one's included."""
+        self.drafter.share_round(streams)
         k = min(self._k, self.target.backend.n_ctx - len(self.context))
         if self.request.max_tokens is not None:
             k = min(k, self.request.max_tokens - len(self.token_ids) - 1)
