@@ -108,3 +108,15 @@ def test_a_build_counts_as_finished_only_when_complete_and_runnable(tmp_path, mo
 
 def test_only_an_ik_engine_on_pypis_wheel_is_provisional():
     assert not upgrade.provisional(Engine(FakeBackend(seed=7)))  # no model configuration: not runtime's
+
+
+def test_the_builds_progress_is_read_from_its_log(tmp_path):
+    folder = tmp_path / "ik-build"
+    folder.mkdir()
+    pending = tmp_path / "ik-pending"
+    pending.write_text(str(folder) + "\n")
+    assert upgrade.build_progress(pending) is None  # no log yet
+    (folder / "build.log").write_text("specdec: building\n")
+    assert upgrade.build_progress(pending) is None  # cmake has not started compiling
+    (folder / "build.log").write_text("  [9/43] Building CXX object a.o\n  [10/43] Building CXX object b.o\n")
+    assert upgrade.build_progress(pending) == (10, 43)

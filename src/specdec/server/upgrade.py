@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -24,6 +26,8 @@ from specdec.models.registry import specdec_home
 logger = logging.getLogger("specdec.server")
 
 POLL_SECONDS = 5.0
+PROGRESS_SECONDS = 60.0  # how often the log says how far the build has got
+_NINJA_STEP = re.compile(rb"\[(\d+)/(\d+)\] ")
 LIBRARY_ENV = "IK_LLAMA_CPP_LIB_PATH"  # the ik package's own override of the library it opens
 
 
@@ -43,6 +47,19 @@ def finished_build(pending: Optional[Path] = None) -> Optional[Path]:
     if not any(folder.glob("ik_llama_cpp_python-*.whl")) or not library.exists() or not ik_llama.cpu_runs(library):
         return None
     return library
+
+
+def build_progress(pending: Optional[Path] = None) -> Optional[tuple[int, int]]:
+    """(steps done, steps) of the pending build's compiler, from its log's last ninja line."""
+    try:
+        folder = Path((pending or pending_file()).read_text().strip())
+        with open(folder / "build.log", "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - 8192))
+            steps = _NINJA_STEP.findall(log.read())
+    except OSError:
+        return None
+    return (int(steps[-1][0]), int(steps[-1][1])) if steps else None
 
 
 def provisional(engine: Engine) -> bool:
@@ -93,8 +110,15 @@ class BuildWatcher:
         self._stop.set()
 
     def _run(self) -> None:
+        started = last_report = time.monotonic()
         while not self._stop.wait(self.poll):
             library = finished_build()
+            if library is None and time.monotonic() - last_report >= PROGRESS_SECONDS:
+                last_report = time.monotonic()
+                progress = build_progress()
+                if progress is not None:
+                    logger.info("specdec's ik_llama.cpp build: compiled %d of %d (%.0f min so far)",
+                                *progress, (last_report - started) / 60)
             if library is not None:
                 logger.info("specdec's ik_llama.cpp build is ready (%s): switching at the next idle moment", library)
                 self.switch(lambda: upgraded_engine(self.engine, library))
