@@ -96,7 +96,7 @@ def test_failures_exit_1_and_a_rerun_retries_only_them(tmp_path, server, capsys)
 
 @pytest.mark.parametrize("content, message", [
     (None, "not found"),
-    ('{"id": "a", "prompt": "x"}\n{broken\n', "line 2 is not valid JSON"),
+    ('{broken\n{"prompt": "x"}\n', "line 1 is not valid JSON"),
     ('{"prompt": "x"}\n', "line 1 has no id"),
 ])
 def test_bad_input_is_a_one_line_error(tmp_path, capsys, content, message):

@@ -83,19 +83,29 @@ def test_read_input_items_and_problems(tmp_path):
 
 
 @pytest.mark.parametrize("lines, message", [
-    (['{"id": "a", "prompt": "x"}', "{not json"], "line 2 is not valid JSON"),
+    (["{not json"], "line 1 is not valid JSON"),
     (['{"prompt": "x"}'], "line 1 has no id"),
     (['{"id": true, "prompt": "x"}'], "line 1 has no id"),
     (['[1, 2]'], "line 1 is not a JSON object"),
-    (['{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}'], "line 2 repeats id 'a' of line 1"),
+    (['{"prompt": "x"}', "{", "[]", "7"], "line 3 is not a JSON object; 4 bad lines in all"),
     ([""], "holds no requests"),
 ])
-def test_unidentifiable_lines_stop_the_run_with_one_line(tmp_path, lines, message):
+def test_a_file_with_no_identifiable_line_stops_the_run_with_one_line(tmp_path, lines, message):
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(SpecdecError) as info:
         read_input(path)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unidentifiable_lines_among_good_ones_become_items_keyed_by_line(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "a", "prompt": "x"}\n{not json\n{"id": "a", "prompt": "y"}\n')
+    good, broken, repeated = read_input(path)
+    assert good.problem is None and good.key == id_key("a")
+    assert (broken.id, broken.line_no, broken.key) == (None, 2, "line 2")
+    assert broken.problem.startswith("input line 2 is not valid JSON")
+    assert repeated.id is None and repeated.problem == "input line 3 repeats id 'a' of line 1"
 
 
 def test_missing_input_file(tmp_path):

@@ -2,19 +2,27 @@
 
 Input lines hold `id` (a string or an integer, unique) and `messages` (chat) or `prompt`
 (completions), plus optional per-line request fields (`max_tokens`, `temperature`, `stop`, ...)
-that override the run's settings. `stream` and `stream_options` are the runner's to set.
+that override the run's settings. `stream` and `stream_options` are the runner's to set. Lines end
+at "\n" only (JSON Lines; a "\r" before it is dropped), so U+2028 and the like inside a string are text.
+
+No poison items: a line that cannot become a request (see `read_input`) and a result that cannot be
+written as JSON (see `unwritable_record`) each become an error record, and the run goes on.
 
 Results are appended one line at a time, flushed and fsynced, by one run at a time (an exclusive
-lock on the file). Opening the results file cuts a torn last line (a run killed mid-write), so appending always starts on a fresh line. An id with a
-successful line (`error` null) is done and skipped by a rerun; failed ids are sent again and their
-new line is appended. So a run killed at any moment and rerun ends with every id done exactly once,
-and the file holds the history (earlier failures stay, the success is the line that counts).
+lock on the file). Opening the results file cuts a torn last line (a run killed mid-write), so
+appending always starts on a fresh line. An id with a successful line (`error` null) is done and
+skipped by a rerun; failed ids (and bad input lines) are tried again and their new line is
+appended. So a run killed at any moment and rerun ends with every id done exactly once, and the
+file holds the history (earlier failures stay, the success is the line that counts).
 """
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
+import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,17 +38,27 @@ except ImportError:  # Windows: no advisory lock
 
 RUNNER_FIELDS = ("stream", "stream_options")  # set by the runner, dropped from input lines
 MAX_REPORTED_BAD_LINES = 3
+MAX_INT_DIGITS = 100  # an integer in an input line has at most this many digits (ids, seeds, ...)
+MAX_NESTING = 100  # arrays and objects in an input line nest at most this deep
+RECORD_ERRORS = (ValueError, TypeError, RecursionError)  # what encoding a record that JSON cannot hold raises
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_BRACKET = re.compile(r"[\[\]{}]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads pairs valid escapes, so any left is lone
 
 
 @dataclass(frozen=True)
 class BatchItem:
     """One input line. `problem` says why the line cannot be sent; it is then recorded as failed."""
 
-    id: Union[str, int]
+    id: Union[str, int, None]  # None: the line has no usable id; its records are keyed by line number
     line_no: int
     endpoint: Optional[str]  # "chat" | "completions"
     fields: dict = field(default_factory=dict)  # request fields of the line, messages/prompt included
     problem: Optional[str] = None
+
+    @property
+    def key(self) -> str:
+        return id_key(self.id) if self.id is not None else line_key(self.line_no)
 
 
 @dataclass(frozen=True)
@@ -81,47 +99,130 @@ def id_key(value: object) -> str:
     return json.dumps(value)
 
 
+def line_key(line_no: int) -> str:
+    """The key of an input line with no usable id; unquoted, so no id's key (a JSON string or integer) equals it."""
+    return f"line {line_no}"
+
+
+def record_key(record: dict) -> str:
+    """The key a result line counts for: its id's, or its input line's when it has no id."""
+    if record.get("id") is None and isinstance(record.get("line"), int):
+        return line_key(record["line"])
+    return id_key(record.get("id"))
+
+
 # -- input ---------------------------------------------------------------------------------------------
 
 def read_input(path: Union[str, Path]) -> list[BatchItem]:
-    """Every request line of the input. Lines that cannot be identified (not JSON, no usable id, a
-    repeated id) stop the run before anything is sent, with one line naming them; a line with an
-    id but no valid messages/prompt becomes an item with a `problem`."""
+    """Every request line of the input, in order. A line that cannot be a request becomes an item with
+    a `problem` (one line naming the input line) that the run records as an error: not UTF-8, not
+    JSON, an integer longer than MAX_INT_DIGITS, nesting deeper than MAX_NESTING, NaN or infinity,
+    not an object, no usable id, a repeated id (these have id None), or an id but no valid
+    messages/prompt. Reading stops, with one line naming the first bad lines, only when no line has
+    a usable id (the wrong file, most likely)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise SpecdecError(f"input file {path} not found.") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise SpecdecError(f"cannot read input file {path}: {exc}.") from None
-    items, bad, seen = [], [], {}
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except ValueError as exc:
-            bad.append(f"line {line_no} is not valid JSON ({exc.msg})")
-            continue
-        if not isinstance(entry, dict):
-            bad.append(f"line {line_no} is not a JSON object")
-            continue
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
+    items, seen = [], {}
+    for line_no, raw in enumerate(data.split(b"\n"), start=1):
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        if raw.strip(b" \t\r"):
+            items.append(_line_item(raw, line_no, seen))
+    if not any(item.id is not None for item in items):
+        if not items:
+            raise SpecdecError(f"input file {path} holds no requests.")
+        more = f"; {len(items)} bad lines in all" if len(items) > MAX_REPORTED_BAD_LINES else ""
+        raise SpecdecError(f"{path}: no line holds a request: "
+                           + "; ".join(i.problem for i in items[:MAX_REPORTED_BAD_LINES]) + more + ".")
+    return items
+
+
+def parse_line(raw: bytes) -> tuple[object, Optional[str]]:
+    """The JSON value of one input line, or (None, why not), the reason a predicate ("is not valid
+    JSON (...)"). Integers and nesting are bounded before json sees them, so a 5000-digit number or
+    10,000 nested brackets are a reason, not a ValueError or RecursionError."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
+    if _nests_deeper_than(text, MAX_NESTING):
+        return None, f"nests arrays and objects more than {MAX_NESTING} deep"
+    try:
+        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant), None
+    except _BadNumber as exc:
+        return None, str(exc)
+    except json.JSONDecodeError as exc:
+        return None, f"is not valid JSON ({exc.msg} at column {exc.colno})"
+    except (ValueError, RecursionError) as exc:  # not expected past the bounds; still one line
+        return None, f"cannot be read as JSON ({exc.__class__.__name__})"
+
+
+class _BadNumber(Exception):
+    """Raised from json.loads' number hooks: a number the runner does not take."""
+
+
+def _bounded_int(digits: str) -> int:
+    n_digits = len(digits.lstrip("-"))
+    if n_digits > MAX_INT_DIGITS:
+        raise _BadNumber(f"has an integer of {n_digits} digits (at most {MAX_INT_DIGITS})")
+    return int(digits)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _BadNumber(f"has a number out of range ({text[:20]})")
+    return value
+
+
+def _no_constant(name: str) -> None:
+    raise _BadNumber(f"has {name}, which is not JSON")
+
+
+def _nests_deeper_than(text: str, limit: int) -> bool:
+    """Whether arrays/objects nest deeper than `limit`, counting brackets outside strings.
+
+    Example: '{"a": [[1]], "b": "[[[["}' nests 3 deep (the brackets in "b" are text).
+    """
+    depth = 0
+    for match in _BRACKET.finditer(_JSON_STRING.sub("", text)):
+        if match.group() in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def _line_item(raw: bytes, line_no: int, seen: dict[str, int]) -> BatchItem:
+    """The item of one non-blank input line; `seen` (id key -> line) finds repeated ids."""
+    entry, problem = parse_line(raw)
+    if problem is None and not isinstance(entry, dict):
+        problem = "is not a JSON object"
+    if problem is None:
         item_id = entry.get("id")
         if isinstance(item_id, bool) or not isinstance(item_id, (str, int)) or item_id == "":
-            bad.append(f"line {line_no} has no id (a non-empty string or an integer)")
-            continue
-        key = id_key(item_id)
-        if key in seen:
-            bad.append(f"line {line_no} repeats id {item_id!r} of line {seen[key]}")
-            continue
-        seen[key] = line_no
-        items.append(_item(entry, line_no))
-    if bad:
-        more = f"; {len(bad)} bad lines in all" if len(bad) > MAX_REPORTED_BAD_LINES else ""
-        raise SpecdecError(f"{path}: " + "; ".join(bad[:MAX_REPORTED_BAD_LINES]) + more + ".")
-    if not items:
-        raise SpecdecError(f"input file {path} holds no requests.")
-    return items
+            problem = "has no id (a non-empty string or an integer)"
+        elif id_key(item_id) in seen:
+            problem = f"repeats id {_show(item_id)} of line {seen[id_key(item_id)]}"
+    if problem is not None:
+        return BatchItem(None, line_no, None, {}, f"input line {line_no} {problem}")
+    seen[id_key(item_id)] = line_no
+    return _item(entry, line_no)
+
+
+def _show(value: object, limit: int = 60) -> str:
+    """repr on one line (lone surrogates escaped), cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _item(entry: dict, line_no: int) -> BatchItem:
@@ -134,6 +235,8 @@ def _item(entry: dict, line_no: int) -> BatchItem:
         problem = "messages must be a non-empty list of message objects"
     elif has_prompt and not isinstance(fields["prompt"], (str, list)):
         problem = "prompt must be a string or a list"
+    elif _LONE_SURROGATE.search(json.dumps(fields, ensure_ascii=False)):
+        problem = "the request holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which UTF-8 cannot send"
     else:
         problem = None
     endpoint = None if problem else ("chat" if has_messages else "completions")
@@ -158,12 +261,12 @@ def read_results(path: Union[str, Path]) -> tuple[list[dict], int]:
     except FileNotFoundError:
         return [], 0
     records, unreadable = [], 0
-    for raw in data.splitlines():
+    for raw in data.split(b"\n"):
         if not raw.strip():
             continue
         try:
             record = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             unreadable += 1
             continue
         if isinstance(record, dict) and "id" in record:
@@ -206,8 +309,44 @@ def repair_torn_tail(path: Union[str, Path]) -> int:
     return size - keep
 
 
+def usage_count(block: object, name: str) -> int:
+    """A token count from a server's usage block; 0 where it is missing or not a count (a server's
+    odd value must not sink the progress bar or the report, run after run)."""
+    value = block.get(name) if isinstance(block, dict) else None
+    if isinstance(value, float) and math.isfinite(value):
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
 def done_ids(records: Iterable[dict]) -> set[str]:
-    return {id_key(r["id"]) for r in records if r.get("error") is None}
+    return {record_key(r) for r in records if r.get("error") is None}
+
+
+def encode_record(record: dict) -> bytes:
+    """One results line: UTF-8 JSON, non-ASCII text as is. JSON has no NaN or infinity, so such a
+    float (in a server's usage block, say) is written as null. A lone surrogate (U+D800..U+DFFF
+    unpaired, which only a \\udXXX escape in JSON makes: an input id, a server's text) is not text
+    UTF-8 can encode; it is written as that escape, "\\ud800", which JSON readers (Python's) read
+    back to the same string, so the id still matches on a rerun. Raises one of RECORD_ERRORS when
+    JSON cannot hold the record."""
+    try:
+        text = json.dumps(record, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(record), ensure_ascii=False, allow_nan=False)
+    # Only lone surrogates fail to encode, and only inside JSON strings: backslashreplace writes
+    # each as exactly its JSON escape.
+    return (text + "\n").encode("utf-8", "backslashreplace")
+
+
+def _finite(value: object) -> object:
+    """`value` with NaN and infinities replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 class ResultWriter:
@@ -218,7 +357,7 @@ class ResultWriter:
     def __init__(self, path: Union[str, Path]):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "ab")
         if fcntl is not None:
             try:
                 fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -227,7 +366,9 @@ class ResultWriter:
                 raise SpecdecError(f"another batch is writing to {self.path}; wait for it or use another --out.") from None
 
     def append(self, record: dict) -> None:
-        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        """Write one record's line; raises one of RECORD_ERRORS, having written nothing, when JSON
+        cannot hold it (see `encode_record`)."""
+        self._file.write(encode_record(record))
         self._file.flush()
         os.fsync(self._file.fileno())
 
@@ -239,7 +380,7 @@ class ResultWriter:
 
 def success_record(item: BatchItem, completion: Completion, body: dict, started_at: float) -> dict:
     return {
-        "id": item.id, "text": completion.text, "usage": completion.usage,
+        "id": item.id, "line": item.line_no, "text": completion.text, "usage": completion.usage,
         "latency_seconds": completion.latency_seconds, "ttft_seconds": completion.ttft_seconds,
         "attempts": [a.as_dict() for a in completion.attempts], "error": None, "error_type": None,
         "model": completion.model or body.get("model"), "finish_reason": completion.finish_reason,
@@ -251,11 +392,20 @@ def success_record(item: BatchItem, completion: Completion, body: dict, started_
 def failure_record(item: BatchItem, error: str, error_type: str, attempts: list, body: dict,
                    started_at: float) -> dict:
     return {
-        "id": item.id, "text": None, "usage": None, "latency_seconds": None, "ttft_seconds": None,
-        "attempts": attempts, "error": error, "error_type": error_type, "model": body.get("model"),
+        "id": item.id, "line": item.line_no, "text": None, "usage": None, "latency_seconds": None,
+        "ttft_seconds": None, "attempts": attempts, "error": error, "error_type": error_type, "model": body.get("model"),
         "finish_reason": None, "speculative_decoding": body.get("speculative_decoding"), "started_at": started_at,
         "finished_at": time.time(),
     }
+
+
+def unwritable_record(item: BatchItem, record: dict, exc: BaseException, settings: RunSettings) -> dict:
+    """The error record written instead of a `record` that JSON cannot hold: the item counts as
+    failed (a rerun sends it again) and the run goes on. Holds only the item's and the run's own
+    values, so it always encodes."""
+    reason = " ".join(f"{exc.__class__.__name__}: {exc}".split())[:200]
+    return failure_record(item, f"the result of input line {item.line_no} cannot be written as JSON ({reason})",
+                          "OutputError", [], request_body(item, settings), record.get("started_at") or time.time())
 
 
 async def _send(client: AsyncClient, item: BatchItem, settings: RunSettings) -> dict:
@@ -285,7 +435,7 @@ async def run_batch(client: AsyncClient, items: list[BatchItem], out_path: Union
     try:
         repair_torn_tail(out_path)
         done = done_ids(read_results(out_path)[0])
-        pending = [item for item in items if id_key(item.id) not in done]
+        pending = [item for item in items if item.key not in done]
         outcome = RunOutcome(pending=len(pending), skipped=len(items) - len(pending))
         progress.start(outcome.pending, outcome.skipped)
         queue = iter(pending)
@@ -294,7 +444,11 @@ async def run_batch(client: AsyncClient, items: list[BatchItem], out_path: Union
         async def worker() -> None:
             for item in queue:  # one shared iterator: each item goes to exactly one worker
                 record = await _send(client, item, settings)
-                writer.append(record)
+                try:
+                    writer.append(record)
+                except RECORD_ERRORS as exc:  # nothing was written: a line is encoded whole first
+                    record = unwritable_record(item, record, exc, settings)
+                    writer.append(record)
                 if record["error"] is None:
                     outcome.ok += 1
                 else:

@@ -4,7 +4,8 @@
         --report report.md --machine-hour-price 0.80 --compare
 
 Rerunning the same command resumes: done ids are skipped, failed ones are retried. Exit status 0
-when every request succeeded, 1 when some failed (they are recorded; rerun to retry them).
+when every request succeeded, 1 when some failed (they are recorded; rerun to retry them), bad input
+lines included (each an InputError record naming its line), 2 when nothing could run.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from specdec.client.batch import BatchItem, ProgressHook, RunSettings, read_input, run_batch
+from specdec.client.batch import BatchItem, ProgressHook, RunSettings, read_input, run_batch, usage_count
 from specdec.client.cost import load_price_table
 from specdec.client.http import DEFAULT_BASE_URL, APIError, AsyncClient, RetryPolicy, Timeouts
 from specdec.client.report import build_report, json_path_for, summarize_file, summary_text, write_report
@@ -84,7 +85,7 @@ class TqdmProgress(ProgressHook):
     def result(self, record: dict) -> None:
         self.done += 1
         self.failed += record["error"] is not None
-        self.tokens += int((record.get("usage") or {}).get("completion_tokens") or 0)
+        self.tokens += usage_count(record.get("usage"), "completion_tokens")
         elapsed = max(time.monotonic() - self.started, 1e-9)
         self.bar.set_postfix_str(f"{self.tokens / elapsed:.1f} tok/s, {self.failed} failed", refresh=False)
         self.bar.update(1)
@@ -139,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
                          max_connections=max(args.concurrency, 10))
     runs = plan_runs(args)
     model = asyncio.run(_run_all(client, items, runs, args))
-    ids = [item.id for item in items]
-    summaries = [summarize_file(path, ids, label) for label, path, _ in runs]
+    keys = [item.key for item in items]
+    summaries = [summarize_file(path, label=label, keys=keys) for label, path, _ in runs]
     settings = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "temperature": args.temperature,
                 "speculative": f"off, then {runs[1][2]}" if args.compare else args.speculative,
                 "stream": not args.no_stream}
@@ -152,7 +153,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"report: {md_path} and {json_path}")
     failed = sum(s.failed + s.not_run for s in summaries)
     if failed:
-        print(f"specdec: {failed} request(s) did not succeed; rerun the same command to retry them.", file=sys.stderr)
+        bad_lines = sum(item.problem is not None for item in items) * len(runs)
+        hint = f" ({bad_lines} of them bad input lines: fix those in {args.input})" if bad_lines else ""
+        print(f"specdec: {failed} request(s) did not succeed{hint}; rerun the same command to retry them.",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -1,7 +1,7 @@
 """The batch report: one JSON document (report.json) and its Markdown rendering (report.md).
 
-Read from the whole results file, per id: the id's successful line if it has one, else its last
-failed line. Conventions, written once:
+Read from the whole results file, per id (per line number for an input line with no usable id):
+the id's successful line if it has one, else its last failed line. Conventions, written once:
 - latency and time to first token are those of the successful attempt, over successful requests;
   percentiles are numpy's (linear interpolation);
 - wall time is the time during which at least one request of the batch was in flight (the union of
@@ -21,7 +21,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from specdec.client.batch import id_key, read_results
+from specdec.client.batch import id_key, read_results, record_key, usage_count
 from specdec.client.cost import PriceTable, compute_cost, token_cost
 from specdec.types import SpecdecError
 
@@ -102,14 +102,16 @@ class RunSummary:
         return self.ok / self.wall_seconds if self.wall_seconds > 0 else None
 
 
-def summarize(records: Sequence[dict], ids: Optional[Sequence[object]] = None, *, label: str = "",
-              results_file: str = "", unreadable_lines: int = 0) -> RunSummary:
-    """One run's summary from its result records; `ids` (the input's ids) limits and completes the
-    set of requests, else every id in the records counts."""
+def summarize(records: Sequence[dict], ids: Optional[Sequence[object]] = None, *, keys: Optional[Sequence[str]] = None,
+              label: str = "", results_file: str = "", unreadable_lines: int = 0) -> RunSummary:
+    """One run's summary from its result records; `keys` (the input's `BatchItem.key`s, bad lines
+    included) or `ids` (the input's ids) limit and complete the set of requests, else every key in
+    the records counts."""
     by_id: dict[str, list[dict]] = {}
     for record in records:
-        by_id.setdefault(id_key(record["id"]), []).append(record)
-    keys = [id_key(i) for i in ids] if ids is not None else list(by_id)
+        by_id.setdefault(record_key(record), []).append(record)
+    if keys is None:
+        keys = [id_key(i) for i in ids] if ids is not None else list(by_id)
     final, failures, intervals = {}, Counter(), []
     retried = attempts = duplicates = 0
     for key in keys:
@@ -129,10 +131,9 @@ def summarize(records: Sequence[dict], ids: Optional[Sequence[object]] = None, *
     ok_records = [r for r in final.values() if r.get("error") is None]
     tokens_by_model: dict[str, list[int]] = {}
     for r in ok_records:
-        usage = r.get("usage") or {}
         entry = tokens_by_model.setdefault(str(r.get("model") or "unknown"), [0, 0])
-        entry[0] += int(usage.get("prompt_tokens") or 0)
-        entry[1] += int(usage.get("completion_tokens") or 0)
+        entry[0] += usage_count(r.get("usage"), "prompt_tokens")
+        entry[1] += usage_count(r.get("usage"), "completion_tokens")
     return RunSummary(
         label=label, results_file=results_file, requests=len(keys), ok=len(ok_records),
         failed=len(final) - len(ok_records), not_run=len(keys) - len(final),
@@ -145,13 +146,14 @@ def summarize(records: Sequence[dict], ids: Optional[Sequence[object]] = None, *
         ttft=distribution([r["ttft_seconds"] for r in ok_records if r.get("ttft_seconds") is not None]),
         wall_seconds=busy_seconds(intervals),
         speculative=_speculative(ok_records),
-        texts={id_key(r["id"]): r.get("text") for r in ok_records},
+        texts={record_key(r): r.get("text") for r in ok_records},
     )
 
 
-def summarize_file(path: Union[str, Path], ids: Optional[Sequence[object]] = None, label: str = "") -> RunSummary:
+def summarize_file(path: Union[str, Path], ids: Optional[Sequence[object]] = None, label: str = "", *,
+                   keys: Optional[Sequence[str]] = None) -> RunSummary:
     records, unreadable = read_results(path)
-    return summarize(records, ids, label=label, results_file=str(path), unreadable_lines=unreadable)
+    return summarize(records, ids, keys=keys, label=label, results_file=str(path), unreadable_lines=unreadable)
 
 
 def _speculative(records: Sequence[dict]) -> Optional[dict]:
@@ -159,9 +161,9 @@ def _speculative(records: Sequence[dict]) -> Optional[dict]:
     blocks = [b for b in blocks if isinstance(b, dict)]
     if not blocks:
         return None
-    drafted = sum(int(b.get("drafted_tokens") or 0) for b in blocks)
-    accepted = sum(int(b.get("accepted_tokens") or 0) for b in blocks)
-    rounds = sum(int(b.get("draft_rounds") or 0) for b in blocks)
+    drafted = sum(usage_count(b, "drafted_tokens") for b in blocks)
+    accepted = sum(usage_count(b, "accepted_tokens") for b in blocks)
+    rounds = sum(usage_count(b, "draft_rounds") for b in blocks)
     return {
         "requests": len(blocks),
         "methods": sorted({str(b.get("method")) for b in blocks}),
@@ -404,7 +406,8 @@ def write_report(report_path: Union[str, Path], doc: dict) -> tuple[Path, Path]:
     report_path = Path(report_path)
     json_path = json_path_for(report_path)
     report_path.parent.mkdir(parents=True, exist_ok=True)
-    report_path.write_text(render_markdown(doc), encoding="utf-8")
+    # A lone surrogate (from a server's model name or error message) is written as its \udXXX escape.
+    report_path.write_text(render_markdown(doc), encoding="utf-8", errors="backslashreplace")
     json_path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     return report_path, json_path
 
