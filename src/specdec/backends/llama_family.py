@@ -229,7 +229,12 @@ class LlamaFamilyBackend(Backend):
         library_thread.call(self._truncate, ctx, local_id, length)
 
     def _truncate(self, ctx, local_id: int, length: int) -> None:
-        self._binding.seq_rm(ctx, local_id, length)
+        # False: the library kept the cells (a recurrent model's state cannot be cut partway). Going
+        # on would decode the next tokens after positions the caller believes gone.
+        if self._binding.seq_rm(ctx, local_id, length) is False:
+            raise SpecdecError(f"{self.name} refused to remove a sequence's KV cache from position {length} on "
+                               "(a model with a recurrent state cannot roll back partway); the cache no longer "
+                               "matches the sequence's tokens.")
         if self.rules.cell_ranges:
             self._cell_blocks.truncate(local_id, length)
 

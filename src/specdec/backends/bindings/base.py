@@ -142,8 +142,9 @@ class LlamaBinding(ABC):
         raise NotImplementedError(f"{self.name} places tokens in cells of its own choosing")
 
     @abstractmethod
-    def seq_rm(self, ctx, seq_id: int, start: int) -> None:
-        """Drop seq_id's cached positions from `start` onward."""
+    def seq_rm(self, ctx, seq_id: int, start: int) -> bool:
+        """Drop seq_id's cached positions from `start` onward; False when the library refuses (a
+        partial removal from a recurrent model's state)."""
 
 
 def once(factory: Callable[[], T]) -> Callable[[], T]:

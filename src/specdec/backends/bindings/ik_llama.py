@@ -304,8 +304,8 @@ class IkLlamaBinding(LlamaBinding):
     def set_cells(self, ctx, cells, kv_first: int, n_kv: int) -> None:
         self._lib.specdec_kv_set_cells(ctx, cells, len(cells), kv_first, n_kv)
 
-    def seq_rm(self, ctx, seq_id: int, start: int) -> None:
-        self._lib.llama_kv_cache_seq_rm(ctx, seq_id, start, -1)
+    def seq_rm(self, ctx, seq_id: int, start: int) -> bool:
+        return bool(self._lib.llama_kv_cache_seq_rm(ctx, seq_id, start, -1))
 
 
 _bindings: dict[Path, IkLlamaBinding] = {}

@@ -115,8 +115,8 @@ class LlamaCppPythonBinding(LlamaBinding):
                 del os.environ[FA_REFERENCE_ENV]
             yield
 
-    def seq_rm(self, ctx, seq_id: int, start: int) -> None:
-        self._lib.llama_memory_seq_rm(self._memories[ctx], seq_id, start, -1)
+    def seq_rm(self, ctx, seq_id: int, start: int) -> bool:
+        return bool(self._lib.llama_memory_seq_rm(self._memories[ctx], seq_id, start, -1))
 
 
 binding = once(LlamaCppPythonBinding)  # the process's one instance
