@@ -193,16 +193,35 @@ def test_stop_string_is_honoured(client, method):
     assert response.choices[0].finish_reason == "stop"
 
 
-def test_cross_request_history_is_kept_per_api_key():
-    """A tenant's repeated request drafts from its own earlier answer; another key's never does."""
+def history_server(**config):
+    """A server on a fake with known forward costs, so that `auto` drafts from a history when one matches."""
     clock = FakeClock()
     engine = Engine(FakeBackend(seed=7, clock=clock, step_cost=0.05, token_cost=0.0005), clock=clock)
-    app = create_app(engine, ServerConfig(served_model_name=MODEL, spec=SpecConfig("auto", 4)))
-    with serve_in_thread(app) as (url, _):
-        def choices(api_key):
-            tenant = openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=30)
-            return chat(tenant, "mat cat", max_tokens=40).usage.model_extra["speculative"]["choices"]
+    return serve_in_thread(create_app(engine, ServerConfig(served_model_name=MODEL, spec=SpecConfig("auto", 4),
+                                                           **config)))
 
-        assert not any(choice.startswith("cache") for choice in choices("tenant-a"))
-        assert any(choice.startswith("cache") for choice in choices("tenant-a"))
-        assert not any(choice.startswith("cache") for choice in choices("tenant-b"))
+
+def cache_choices(url, api_key="unused"):
+    """Whether the request drafted from a cross-request history (`auto`'s "cache" choices)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=30)
+    choices = chat(client, "mat cat", max_tokens=40).usage.model_extra["speculative"]["choices"]
+    return any(choice.startswith("cache") for choice in choices)
+
+
+def test_cross_request_history_is_kept_per_api_key():
+    """A tenant's repeated request drafts from its own earlier answer; another tenant's never does."""
+    with history_server(api_keys=(("key-a", "tenant-a"), ("key-b", "tenant-b"))) as (url, _):
+        assert not cache_choices(url, "key-a")
+        assert cache_choices(url, "key-a")
+        assert not cache_choices(url, "key-b")
+
+
+def test_anonymous_requests_share_no_history_unless_asked():
+    """Without keys a bearer string proves nothing: no request drafts from another's text..."""
+    with history_server() as (url, _):
+        assert not cache_choices(url, "tenant-a")
+        assert not cache_choices(url, "tenant-a")
+        assert not cache_choices(url)
+    with history_server(shared_history=True) as (url, _):  # ...unless every client may share one history
+        assert not cache_choices(url, "tenant-a")
+        assert cache_choices(url, "tenant-b")

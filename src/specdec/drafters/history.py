@@ -2,10 +2,12 @@
 
 Support answers and code repeat boilerplate across requests ("Thank you for contacting ...",
 `if __name__ == "__main__":`), and a tenant's prompts share templates; the request's own prompt
-lookup cannot see them because they live in earlier requests. Each tenant (API key) has its own
-bounded suffix index over its recent requests (prompt and output each), so one tenant's text never
-drafts for another; the benchmark resets every history before each measured run unless asked to
-give it the earlier prompts of the run (`specdec bench --tenant-history`).
+lookup cannot see them because they live in earlier requests. Each tenant has its own bounded
+suffix index over its recent requests (prompt and output each), so one tenant's text never drafts
+for another. The server's tenants are the tenants of its API keys (server/tenants.py); without
+keys its requests share nothing unless it runs with --shared-history. The benchmark resets every
+history before each measured run unless asked to give it the earlier prompts of the run
+(`specdec bench --tenant-history`).
 
 Matches shorter than `min_match` tokens are not looked for: between different requests they
 rarely hold (Spec-Bench, prompts 6-15 per category: see drafters/auto.py's CACHE_PRIORS).
@@ -20,7 +22,10 @@ from typing import Optional, Sequence
 
 from specdec.drafters.suffix import Continuation, SuffixIndex
 
-ANONYMOUS_TENANT = ""
+ANONYMOUS_TENANT = ""  # tenant None: the one history every anonymous request shares (the benchmark's)
+# A request that must share nothing (an anonymous client of a server without keys): it gets an
+# empty history of its own, never kept, so it drafts from no earlier request and none from it.
+UNSHARED_TENANT = "\x00unshared"
 
 
 class TenantHistory:
@@ -60,6 +65,8 @@ class CrossRequestCache:
         self._lock = threading.Lock()
 
     def for_tenant(self, tenant: Optional[str]) -> TenantHistory:
+        if tenant == UNSHARED_TENANT:
+            return TenantHistory(max_tokens=self.max_tokens)
         key = tenant or ANONYMOUS_TENANT
         with self._lock:
             history = self._tenants.get(key)

@@ -1,7 +1,6 @@
 """`create_app(engine, config)`: the FastAPI application. All state lives on `app.state.specdec`."""
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -14,31 +13,17 @@ import specdec
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.drain import Drain
-from specdec.server.errors import APIError, error_response, install_error_handlers
+from specdec.server.errors import install_error_handlers
+from specdec.server.hosts import HostAllowListMiddleware
+from specdec.server.limits import BodyLimitMiddleware
 from specdec.server.metrics import HTTPMetricsMiddleware, ServerMetrics
 from specdec.server.openapi import openapi_document
 from specdec.server.routes import STREAM_CHUNKS, ServerState, router
 from specdec.server.scheduler import Scheduler
+from specdec.server.tenants import APIKeys, AuthMiddleware
 
 OPEN_PATHS = frozenset({"/health"})
 logger = logging.getLogger("specdec.server")
-
-
-class APIKeyMiddleware:
-    """Every route but /health needs `Authorization: Bearer <key>`."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
-            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`.",
-                                 "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-                return await error_response(error)(scope, receive, send)
-        return await self.app(scope, receive, send)
 
 
 def cross_request_sizes(engine: Engine) -> tuple[int, int]:
@@ -85,7 +70,12 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None,
     scheduler.engine_listeners.append(lambda new: setattr(app.state.specdec, "engine", new))
     install_error_handlers(app)
     app.include_router(router)
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    # Outermost last: every request is counted; its Host is checked first (DNS rebinding), then its
+    # key (a 401 before the body is read), then its body's size and pace.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout)
+    open_paths = OPEN_PATHS | ({"/metrics"} if config.public_metrics else set())
+    app.add_middleware(AuthMiddleware, keys=APIKeys.of(config.api_key, config.api_keys), open_paths=frozenset(open_paths))
+    if config.allowed_hosts is not None:
+        app.add_middleware(HostAllowListMiddleware, allowed=config.allowed_hosts)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     return app

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from pathlib import Path
 
 from specdec.deploy.prefix import DEFAULT_PREFIX_CHARS  # no Ray there: plain `specdec serve` never imports it
+from specdec.server.config import ServerConfig
+from specdec.server.tenants import API_KEY_ENV, API_KEYS_ENV, API_KEYS_FILE_ENV, configured_keys
 from specdec.types import SpecConfig, SpecdecError
 
-API_KEY_ENV = "SPECDEC_API_KEY"
+LIMITS = ServerConfig()  # the defaults of the limits' flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +24,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--api-key", default=None,
-                        help=f"require `Authorization: Bearer KEY` on every route but /health (or set {API_KEY_ENV})")
+                        help=f"require `Authorization: Bearer KEY` on every route but /health (tenant \"default\"); "
+                             f"prefer {API_KEY_ENV} or --api-keys-file: a flag is visible in the process list")
+    parser.add_argument("--api-keys-file", default=None, metavar="PATH",
+                        help=f"API keys with their tenants, lines `tenant-name key` or a JSON object (or set "
+                             f"{API_KEYS_FILE_ENV}, or the text itself in {API_KEYS_ENV}); a tenant's requests share a "
+                             "cross-request history, other tenants' never")
+    parser.add_argument("--shared-history", action="store_true",
+                        help="without API keys, let every request draft from the text of earlier ones (one "
+                             "anonymous history); default: anonymous requests share nothing")
+    parser.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    parser.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                        help="Host header names answered besides the loopback ones (comma-separated, `*.example.com` "
+                             "allowed); `*` answers any. Default: on a loopback --host, only loopback names (DNS "
+                             "rebinding); on any other, any name")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send and /v1/models lists (default: the target file's stem)")
     add_method_arguments(parser)
@@ -43,8 +57,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="verify each stream in its own target forward instead of one batched forward for all "
                              "(slower with several streams; for backends whose batched logits are not exact)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_limit_arguments(parser)
     add_model_arguments(parser)
     add_ray_arguments(parser)
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("limits for slow and hostile clients (docs/server.md, Reliability)")
+    group.add_argument("--max-body-bytes", type=int, default=LIMITS.max_body_bytes, metavar="N",
+                       help=f"a larger request body is a 413, refused before it is read (default {LIMITS.max_body_bytes})")
+    group.add_argument("--max-prompt-bytes", type=int, default=None, metavar="N",
+                       help="a prompt of more bytes of text is refused before it is tokenized (default: the context "
+                            "x 64 bytes, more than any prompt that fits it)")
+    group.add_argument("--body-timeout", type=float, default=LIMITS.body_timeout, metavar="SECONDS",
+                       help=f"seconds for a request body to arrive, then 408 (default {LIMITS.body_timeout:g})")
+    group.add_argument("--header-timeout", type=float, default=LIMITS.header_timeout, metavar="SECONDS",
+                       help=f"seconds for a request's headers to arrive, then the connection is closed "
+                            f"(default {LIMITS.header_timeout:g})")
+    group.add_argument("--keep-alive-timeout", type=float, default=LIMITS.keep_alive_timeout, metavar="SECONDS",
+                       help=f"seconds an idle connection stays open (default {LIMITS.keep_alive_timeout:g})")
+    group.add_argument("--limit-concurrency", type=int, default=LIMITS.limit_concurrency, metavar="N",
+                       help=f"connections at once; beyond that, 503 (default {LIMITS.limit_concurrency}; 0: no limit)")
+    group.add_argument("--max-header-bytes", type=int, default=LIMITS.max_header_bytes, metavar="N",
+                       help=f"bytes of a request line and headers still arriving; past them, 400 "
+                            f"(default {LIMITS.max_header_bytes})")
+    group.add_argument("--write-timeout", type=float, default=LIMITS.write_timeout, metavar="SECONDS",
+                       help=f"seconds a response may wait for a client that stopped reading before its connection is cut "
+                            f"(a stream's generation cancelled) (default {LIMITS.write_timeout:g})")
+    group.add_argument("--sse-keepalive", type=float, default=LIMITS.sse_keepalive, metavar="SECONDS",
+                       help=f"seconds a stream may go without an event (queued, say) before it sends a `: keep-alive` "
+                            f"comment (default {LIMITS.sse_keepalive:g})")
+    group.add_argument("--coalesce-stream-chunks", action="store_true",
+                       help="stream one chunk per decoding step (several tokens when drafts are accepted) instead "
+                            "of one chunk per token; fewer chunks, but their sizes reveal how many drafts each step "
+                            "accepted")
 
 
 RAY_DEFAULTS = {"address": None, "replicas": 1, "threads_per_replica": 1, "min_replicas": None, "max_replicas": None,
@@ -86,17 +132,28 @@ def parse_serve_flags(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_config(args: argparse.Namespace, default_name: str) -> "ServerConfig":
-    from specdec.server.config import ServerConfig
+def build_config(args: argparse.Namespace, default_name: str) -> ServerConfig:
+    from specdec.server.hosts import allowed_hosts_for
 
     for flag, value, low in (("--parallel", args.parallel, 1), ("--max-queue", args.max_queue, 0),
-                             ("--max-tokens", args.max_tokens, 1)):
+                             ("--max-tokens", args.max_tokens, 1), ("--max-body-bytes", args.max_body_bytes, 1),
+                             ("--max-prompt-bytes", args.max_prompt_bytes or 1, 1),
+                             ("--limit-concurrency", args.limit_concurrency or 0, 0),
+                             ("--max-header-bytes", args.max_header_bytes, 1024)):
         if value < low:
             raise SpecdecError(f"{flag} must be >= {low}.")
     for flag, value in (("--request-timeout", args.request_timeout), ("--stall-timeout", args.stall_timeout),
-                        ("--drain-grace", args.drain_grace)):
+                        ("--drain-grace", args.drain_grace), ("--body-timeout", args.body_timeout),
+                        ("--header-timeout", args.header_timeout), ("--keep-alive-timeout", args.keep_alive_timeout),
+                        ("--write-timeout", args.write_timeout), ("--sse-keepalive", args.sse_keepalive)):
         if value <= 0:
             raise SpecdecError(f"{flag} must be > 0.")
+    if args.max_prompt_bytes is not None and args.max_prompt_bytes < 1:
+        raise SpecdecError("--max-prompt-bytes must be >= 1.")
+    api_key, api_keys = configured_keys(args.api_key, args.api_keys_file)
+    if args.api_key:
+        logging.getLogger("specdec.server").warning(
+            "--api-key puts the key in the process list; prefer %s or --api-keys-file", API_KEY_ENV)
     spec = SpecConfig(args.method, args.num_draft_tokens)
     spec.validate()
     if spec.method == "draft" and args.no_draft:
@@ -104,13 +161,27 @@ def build_config(args: argparse.Namespace, default_name: str) -> "ServerConfig":
     return ServerConfig(
         served_model_name=args.served_model_name or default_name,
         spec=spec,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=api_key,
+        api_keys=api_keys,
+        shared_history=args.shared_history,
+        public_metrics=args.public_metrics,
+        allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts.split(",")),
         max_queue=args.max_queue,
         max_tokens=args.max_tokens,
         request_timeout=args.request_timeout,
         stall_timeout=args.stall_timeout,
         drain_grace=args.drain_grace,
         batch_verify=not args.sequential_verify,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_bytes=args.max_prompt_bytes,
+        body_timeout=args.body_timeout,
+        write_timeout=args.write_timeout,
+        sse_keepalive=args.sse_keepalive,
+        stream_one_token_per_chunk=not args.coalesce_stream_chunks,
+        header_timeout=args.header_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        limit_concurrency=args.limit_concurrency or None,
+        max_header_bytes=args.max_header_bytes,
     )
 
 

@@ -6,6 +6,7 @@ from typing import Optional, Union
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.errors import APIError, bad_request
+from specdec.server.limits import prompt_byte_limit
 from specdec.server.protocol import ChatCompletionRequest, CompletionRequest, SpeculativeDecoding
 from specdec.types import GenerationRequest, SamplingParams, SpecConfig, SpecdecError
 
@@ -16,6 +17,35 @@ def check_model(model: str, config: ServerConfig) -> None:
     if model != config.served_model_name:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {config.served_model_name!r}.",
                        "invalid_request_error", "model", "model_not_found")
+
+
+def _utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_prompt_size(engine: Engine, config: ServerConfig, body: Union[ChatCompletionRequest, CompletionRequest]) -> None:
+    """Refuse, before it is rendered and tokenized, a prompt that cannot fit the context: more
+    bytes of text than the context's tokens could hold (or than --max-prompt-bytes), more
+    messages than it has tokens (each message renders into tokens of its own), more token ids."""
+    n_ctx = engine.target.n_ctx
+    if isinstance(body, ChatCompletionRequest):
+        param, messages = "messages", body.messages
+        if len(messages) >= n_ctx:
+            raise bad_request(f"messages: {len(messages)} messages cannot fit a context of {n_ctx} tokens.",
+                              param, "context_length_exceeded")
+        size = sum(_utf8_size(m.text()) + _utf8_size(m.name or "") for m in messages)
+    else:
+        param, prompt = "prompt", body.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], int):
+            if len(prompt) >= n_ctx:
+                raise bad_request(f"prompt: the prompt has {len(prompt)} tokens but the context holds only {n_ctx}.",
+                                  param, "context_length_exceeded")
+            return
+        size = _utf8_size(prompt[0] if isinstance(prompt, list) else prompt)
+    limit = prompt_byte_limit(n_ctx, config.max_prompt_bytes)
+    if size > limit:
+        raise bad_request(f"{param}: the prompt is {size} bytes of text; this server takes at most {limit} "
+                          f"(its context holds {n_ctx} tokens).", param, "context_length_exceeded")
 
 
 def encode_prompt(engine: Engine, body: Union[ChatCompletionRequest, CompletionRequest]) -> list[int]:

@@ -99,9 +99,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def make_server(app, host: str, port: int, log_level: str = "info") -> DrainingServer:
-    # The asyncio loop and h11, explicitly: uvicorn's "auto" would pick uvloop and httptools
-    # whenever they are installed (ray[serve] brings both), and the server's behaviour must not
-    # depend on which extras are installed.
+    from specdec.server.connections import uvicorn_settings
+
+    # The asyncio loop and h11 (connections.py's protocol), explicitly: uvicorn's "auto" would
+    # pick uvloop and httptools whenever they are installed (ray[serve] brings both), and the
+    # server's behaviour must not depend on which extras are installed.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=FLUSH_SECONDS,
-                            loop="asyncio", http="h11")
+                            loop="asyncio", **uvicorn_settings(app.state.specdec.config))
     return DrainingServer(app.state.specdec.drain, config)

@@ -31,6 +31,15 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+class HTTPAPIError(StarletteHTTPException):
+    """An APIError raised where FastAPI lets only HTTPException through as it is (while it reads a
+    request's body: server/limits.py's 413 and 408)."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.status, error.message, error.headers)
+        self.error = error
+
+
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = "invalid_value") -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
 
@@ -97,6 +106,17 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return bad_request(f"{param}: {message}" if param else message, param, code)
 
 
+def unparsable_body(cause: BaseException) -> APIError:
+    """FastAPI's 400 for a body json.loads could not read, by what went wrong."""
+    if isinstance(cause, RecursionError):
+        return bad_request("the request body is nested too deeply.", None, "invalid_json")
+    if isinstance(cause, UnicodeDecodeError):
+        return bad_request("the request body is not valid UTF-8.", None, "invalid_json")
+    if "integer string conversion" in str(cause):  # Python's bound on the digits of an int
+        return bad_request("a number in the request body has too many digits.", None, "invalid_json")
+    return bad_request("the request body is not valid JSON.", None, "invalid_json")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -108,6 +128,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if isinstance(exc, HTTPAPIError):
+            return error_response(exc.error)
+        if exc.status_code == 400 and exc.__cause__ is not None:
+            return error_response(unparsable_body(exc.__cause__))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = {404: f"no route {request.url.path}.", 405: f"method {request.method} is not allowed on {request.url.path}."}
         return json_response(error_body(message.get(exc.status_code, str(exc.detail)), kind), exc.status_code,

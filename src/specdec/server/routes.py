@@ -2,22 +2,25 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Optional, Union
+from typing import AsyncIterator, Awaitable, Callable, Optional, Sequence, Union
 
 import anyio
 import anyio.to_thread
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from specdec.drafters.history import tenant_of_api_key
+from specdec.drafters.history import UNSHARED_TENANT
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
-from specdec.server.convert import check_model, encode_prompt, generation_request
+from specdec.server.convert import check_model, check_prompt_size, encode_prompt, generation_request
 from specdec.server.drain import Drain
 from specdec.server.errors import APIError, json_response
+from specdec.server.limits import OffLoopJSONRoute
 from specdec.server.metrics import ServerMetrics
 from specdec.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
@@ -26,7 +29,8 @@ from specdec.server.protocol import (
 )
 from specdec.server.openapi import error_responses, event_stream_response
 from specdec.server.scheduler import Scheduler
-from specdec.server.sse import DONE, EventStreamResponse, sse_data, sse_error
+from specdec.server.sse import DONE, KEEPALIVE, EventStreamResponse, sse_data, sse_error
+from specdec.server.tenants import tenant_of_scope
 from specdec.server.tickets import Failed, QueueFull, Refused, Started, Ticket, queue_timeout_error
 from specdec.types import StreamEvent
 
@@ -51,7 +55,7 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.specdec
 
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)
 
 
 # -- plain routes ------------------------------------------------------------------------------
@@ -169,17 +173,32 @@ def finish_reason_of(event: StreamEvent) -> str:
     return "length" if event.finish_reason == "cancelled" else event.finish_reason
 
 
-def tenant_of(request: Request) -> str:
-    """Requests with the same bearer token share a cross-request history; others never do."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return tenant_of_api_key(token.strip() if scheme.lower() == "bearer" else None)
+def tenant_of(request: Request) -> Optional[str]:
+    """Whose cross-request history a request drafts from and adds to: the tenant of its
+    authenticated key (tenants.py), never a bearer string nobody checked. Without keys: nobody's
+    (an empty history of its own), or with --shared-history the one anonymous history (None)."""
+    tenant = tenant_of_scope(request.scope)
+    if tenant is not None:
+        return tenant
+    return None if state_of(request).config.shared_history else UNSHARED_TENANT
+
+
+def check_capacity(state: ServerState) -> None:
+    """The scheduler's own refusals (draining, stalled; the queue bound, as `submit` counts it),
+    checked before a prompt is rendered and tokenized for a request that would be refused."""
+    scheduler = state.scheduler
+    scheduler.check_accepting()
+    free_slots = len(state.engine.slots) - scheduler.num_running
+    if scheduler.num_waiting >= state.config.max_queue + max(0, free_slots):
+        raise QueueFull()
 
 
 async def _complete(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], fmt: Format) -> Response:
     state = state_of(request)
     check_model(body.model, state.config)
     try:
-        state.scheduler.check_accepting()  # before encoding a prompt nobody will generate from
+        check_capacity(state)  # before encoding a prompt nobody will generate from
+        check_prompt_size(state.engine, state.config, body)  # before tokenizing one that cannot fit
         # Chat templates and tokenizers can take a while on long prompts: off the event loop, and
         # within the time limit (a stuck tokenizer must not hold the request forever).
         with anyio.fail_after(state.config.request_timeout):
@@ -196,15 +215,28 @@ async def _complete(request: Request, body: Union[ChatCompletionRequest, Complet
         raise queue_timeout_error(state.config.request_timeout, state.config.retry_after) from None
     watcher = asyncio.create_task(_cancel_on_disconnect(request, ticket))
     streaming = False
+    config = state.config
     try:
-        first = await ticket.next()
-        if isinstance(first, Failed):
-            raise first.error
         if body.stream:
+            # A failure before the generation starts is an HTTP status, as long as the wait is
+            # short; a stream still queued after `sse_keepalive` seconds starts its 200 response
+            # and sends keep-alive comments meanwhile (a failure is then the error event).
+            try:
+                first = await asyncio.wait_for(ticket.next(), config.sse_keepalive)
+            except asyncio.TimeoutError:
+                first = None
+            if isinstance(first, Failed):
+                raise first.error
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             watcher.cancel()
             streaming = True
-            return EventStreamResponse(_stream(ticket, fmt, include_usage), on_close=ticket.cancel)
+            pieces = TokenPieces(state.engine.target.token_bytes) if config.stream_one_token_per_chunk else None
+            return EventStreamResponse(_stream(ticket, fmt, include_usage, config.sse_keepalive,
+                                               started=first is not None, pieces=pieces),
+                                       on_close=ticket.cancel, write_timeout=config.write_timeout)
+        first = await ticket.next()
+        if isinstance(first, Failed):
+            raise first.error
         text, event = await _collect(ticket)
         return json_response(fmt.response(text, finish_reason_of(event), usage_from(event.stats or {}))
                              .model_dump(mode="json"))
@@ -234,22 +266,77 @@ async def _collect(ticket: Ticket) -> tuple[str, StreamEvent]:
                 return "".join(parts), item
 
 
-async def _stream(ticket: Ticket, fmt: Format, include_usage: bool) -> AsyncIterator[bytes]:
-    """The chunks of a started generation, then `data: [DONE]`. A failure after the stream has
-    started (the backend failed or stalled, the drain's grace period ran out) can no longer change
-    the HTTP status: it ends the stream with ONE error event, `data: {"error": {...}}` (OpenAI's
-    shape, which the `openai` client raises as APIError), in place of the finish_reason chunk."""
-    for chunk in fmt.opening():
-        yield sse_data(chunk)
+class TokenPieces:
+    """Cuts a stream's text into one piece per token, so that a chunk's size does not say how
+    many drafted tokens its decoding step accepted (arXiv 2411.01076).
+
+    The pieces are cut from the events' own text, so they concatenate to exactly what the engine
+    streams (stop strings cut, text held back for a possible stop string sent later); the tokens'
+    bytes, decoded as the engine decodes them (stopping.py), only say where the cuts fall. A token
+    whose bytes end inside a UTF-8 character ends no piece: the character goes with the token that
+    completes it, so no piece holds a broken character.
+
+    Example: one event with tokens "the ", b"\xc3", b"\xa9", "!" and text "the é!" -> pieces
+    "the ", "é", "!" (b"\xc3" alone decodes to nothing).
+    """
+
+    def __init__(self, token_bytes: Callable[[int], bytes]):
+        self._token_bytes = token_bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._decoded = 0  # characters the tokens so far decode to
+        self._ends: deque[int] = deque()  # where tokens' text ends (characters from the start), not yet passed
+        self._streamed = 0  # characters of the stream's text cut so far
+
+    def split(self, text: str, token_ids: Sequence[int]) -> list[str]:
+        for token in token_ids:
+            added = len(self._decoder.decode(self._token_bytes(token)))
+            if added:
+                self._decoded += added
+                self._ends.append(self._decoded)
+        start, end, pieces = self._streamed, self._streamed + len(text), []
+        cut = start
+        while self._ends and self._ends[0] <= end:
+            boundary = self._ends.popleft()
+            if boundary > cut:
+                pieces.append(text[cut - start:boundary - start])
+                cut = boundary
+        if cut < end:  # text past the last token end: the start of a token held back, or the final flush
+            pieces.append(text[cut - start:])
+        self._streamed = end
+        return pieces
+
+
+async def _stream(ticket: Ticket, fmt: Format, include_usage: bool, keepalive: float,
+                  started: bool = True, pieces: Optional[TokenPieces] = None) -> AsyncIterator[bytes]:
+    """The chunks of a generation, then `data: [DONE]`. A failure after the stream has started
+    (the backend failed or stalled, the drain's grace period ran out; with `started` False, also
+    a failure while still queued) can no longer change the HTTP status: it ends the stream with
+    ONE error event, `data: {"error": {...}}` (OpenAI's shape, which the `openai` client raises
+    as APIError), in place of the finish_reason chunk. A wait of `keepalive` seconds without an
+    event sends a `: keep-alive` comment (clients ignore comments; proxies see a live stream).
+    With `pieces`, an event's text goes out as one chunk per token (TokenPieces)."""
+    if started:
+        for chunk in fmt.opening():
+            yield sse_data(chunk)
     while True:
-        item = await ticket.next()
+        try:
+            item = await asyncio.wait_for(ticket.next(), keepalive)
+        except asyncio.TimeoutError:
+            yield KEEPALIVE
+            continue
         if isinstance(item, Started):
+            if not started:
+                started = True
+                for chunk in fmt.opening():
+                    yield sse_data(chunk)
             continue
         if isinstance(item, Failed):
             yield sse_error(item.error)
             break
-        if item.text:
-            yield sse_data(fmt.chunk(item.text))
+        # Every event goes through `pieces`, with text or not: its tokens' bytes place later cuts.
+        for text in pieces.split(item.text, item.token_ids) if pieces is not None else [item.text]:
+            if text:
+                yield sse_data(fmt.chunk(text))
         if item.finish_reason is not None:
             yield sse_data(fmt.closing(finish_reason_of(item)))
             if include_usage:

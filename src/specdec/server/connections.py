@@ -1,0 +1,101 @@
+"""uvicorn's settings for slow and numerous clients (`specdec serve`).
+
+uvicorn bounds a request's headers in size (`h11_max_incomplete_event_size`), idle keep-alive
+connections in time (`timeout_keep_alive`) and connections in number (`limit_concurrency`; past
+it uvicorn itself answers a plain-text 503), but not the time a client may take to send its
+headers: a client that sends one byte every few seconds holds its connection forever
+(slowloris). `HeaderTimeoutProtocol` is uvicorn's h11 protocol with that timer added: from a
+connection's first byte (or the first byte after the previous response) its request's headers
+must have arrived within `header_timeout` seconds, or the connection is closed (a new connection
+that sends nothing at all is closed after as long). The body's own
+time limit is server/limits.py's (a 408).
+
+A reader that stops reading holds its connection too, and the protocol adds a second timer for
+it: once the kernel's buffers and uvicorn's 64 KiB are full, writing pauses, and a connection
+whose writing stays paused for `write_timeout` seconds is aborted (an EventStreamResponse ends its
+stream and generation at the same moment, sse.py; uvicorn's own `close()` of the connection would
+wait for the unread bytes to be read, forever, and the connection would count against
+`limit_concurrency` meanwhile).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Optional
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from specdec.server.config import ServerConfig
+
+
+class HeaderTimeoutProtocol(H11Protocol):
+    def __init__(self, *args, header_timeout: float, write_timeout: Optional[float] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
+        self.write_timeout = write_timeout
+        self._header_timer: Optional[asyncio.TimerHandle] = None
+        self._write_timer: Optional[asyncio.TimerHandle] = None
+        self._cycle_seen = None  # the request cycle whose headers have arrived
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiting_for_headers():
+            self._arm()
+        super().data_received(data)
+        if self.cycle is not None and self.cycle is not self._cycle_seen:  # a request's headers are in
+            self._cycle_seen = self.cycle
+            self._disarm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        self._stop_write_timer()
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.write_timeout is not None and self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        self._stop_write_timer()
+        super().resume_writing()
+
+    def _stop_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_timed_out(self) -> None:
+        self._write_timer = None
+        self.transport.abort()  # connection_lost follows: the response's sends return, the app sees a disconnect
+
+    def _waiting_for_headers(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout, self._header_timed_out)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timed_out(self) -> None:
+        self._header_timer = None
+        if self._waiting_for_headers() and not self.transport.is_closing():
+            self.transport.close()
+
+
+def uvicorn_settings(config: ServerConfig) -> dict:
+    """uvicorn.Config's arguments for the server's limits."""
+    return dict(
+        http=functools.partial(HeaderTimeoutProtocol, header_timeout=config.header_timeout,
+                               write_timeout=config.write_timeout),
+        timeout_keep_alive=config.keep_alive_timeout,
+        limit_concurrency=config.limit_concurrency,
+        h11_max_incomplete_event_size=config.max_header_bytes,
+    )
