@@ -1,7 +1,9 @@
 """The parts of the Ray Serve deployment that need no running cluster: API-key affinity ranking,
-the proxy middleware that ends a stream whose replica died, the deployment's options from
-`specdec serve` flags, and the flags' checks, the application's two deployments, and the merge of
-every replica's metrics into one exposition."""
+the proxy middleware that ends a stream whose replica died, the proxy's key check and body limits
+before it reads a body (the whole middleware stack as plain ASGI), Ray's own errors made OpenAI
+JSON, the keys kept out of what Ray stores, the deployment's options from `specdec serve` flags,
+and the flags' checks, the application's two deployments, and the merge of every replica's
+metrics into one exposition."""
 from __future__ import annotations
 
 import asyncio
@@ -414,3 +416,292 @@ def test_a_scrape_without_the_hub_shows_the_replica_alone_and_in_time():
         return replicas_of(families_of((await link.exposition(replica_metrics(1, 1))).decode()))
 
     assert asyncio.run(scrape(hangs)) == asyncio.run(scrape(fails)) == {"me"}
+
+
+# -- the proxy's key check and body limits (the whole middleware stack, as Ray builds it) ------------
+ALICE_1, ALICE_2, BOB = "sk-alice-1", "sk-alice-2", "sk-bob"
+PROXY_ENV = {"SPECDEC_API_KEYS": f"alice {ALICE_1}, alice {ALICE_2}, bob {BOB}",
+             "SPECDEC_MAX_BODY_BYTES": "1000", "SPECDEC_BODY_TIMEOUT": "0.3"}
+
+
+class FakeRayProxy:
+    """Ray's proxy app behind the middlewares: reads the body the way a replica would, answers 200
+    (or what `respond` sends), and records what it saw."""
+
+    def __init__(self, respond=None):
+        self.seen: list[tuple[dict, bytes]] = []
+        self.respond = respond
+
+    async def __call__(self, scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.seen.append((scope, body))
+        if self.respond is not None:
+            return await self.respond(send)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"x-specdec-replica", b"r1")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def proxy_stack(inner, environ):
+    """The app as Ray's proxy wraps it (ray.serve._private.http_util._apply_middlewares)."""
+    from specdec.deploy.proxy import middlewares
+
+    app = inner
+    for middleware in middlewares(environ):
+        app = middleware.cls(app, *middleware.args, **middleware.kwargs)
+    return app
+
+
+def exchange(app, path="/v1/chat/completions", headers=(), chunks=(b"{}",), method="POST", stall=False):
+    """(status, headers, body, receive calls) of one request; `stall`: the client sends nothing after
+    its chunks."""
+    incoming = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1 or stall}
+                for i, c in enumerate(chunks)]
+    sent, reads = [], [0]
+
+    async def receive():
+        reads[0] += 1
+        if incoming:
+            return incoming.pop(0)
+        await asyncio.sleep(3600)  # a client that went quiet (or waits for its response)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path,
+             "headers": [(name.encode(), value.encode()) for name, value in headers]}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    start = sent[0]
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    return start["status"], {bytes(n).lower(): bytes(v) for n, v in start["headers"]}, body, reads[0]
+
+
+def openai_error(body: bytes) -> dict:
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def bearer(key):
+    return ("Authorization", f"Bearer {key}")
+
+
+def test_the_proxy_checks_the_key_before_it_reads_a_byte_of_the_body():
+    ray_proxy = FakeRayProxy()
+    app = proxy_stack(ray_proxy, PROXY_ENV)
+    for headers in ((), (bearer("sk-wrong"),), (("Authorization", f"Basic {ALICE_1}"),)):
+        status, response_headers, body, reads = exchange(app, headers=headers, chunks=(b"x" * 5000,))
+        assert (status, reads) == (401, 0)
+        assert openai_error(body)["code"] == "invalid_api_key" and response_headers[b"www-authenticate"] == b"Bearer"
+    # The key first, then the size: a body too large without a key is a 401, never read.
+    status, _, _, reads = exchange(app, headers=(("Content-Length", "5000"),), chunks=(b"x" * 5000,))
+    assert (status, reads) == (401, 0)
+    status, _, body, reads = exchange(app, headers=(bearer(ALICE_1), bearer(BOB)))
+    assert (status, reads, openai_error(body)["code"]) == (400, 0, "duplicate_header")
+    assert ray_proxy.seen == []
+    # Ray's health and routes, /health and /metrics (the replica knows if it is public) need none.
+    for path in ("/-/healthz", "/-/routes", "/health", "/metrics"):
+        assert exchange(app, path=path, method="GET", chunks=(b"",))[0] == 200
+    assert exchange(app, headers=(bearer(ALICE_2),))[0] == 200
+
+
+def test_a_body_over_the_limit_is_refused_from_its_length_or_as_its_bytes_pass_it():
+    ray_proxy = FakeRayProxy()
+    app = proxy_stack(ray_proxy, PROXY_ENV)
+    status, headers, body, reads = exchange(app, headers=(bearer(ALICE_1), ("Content-Length", "1001")),
+                                            chunks=(b"x" * 1001,))
+    assert (status, reads) == (413, 0) and headers[b"connection"] == b"close"
+    error = openai_error(body)
+    assert (error["type"], error["code"]) == ("invalid_request_error", "request_too_large")
+    assert "1000" in error["message"]
+    # Chunked (no Content-Length): refused on the chunk that passes the limit, on any path.
+    for path in ("/v1/chat/completions", "/v1/anything"):
+        status, headers, body, reads = exchange(app, path=path, headers=(bearer(BOB),), chunks=(b"y" * 400,) * 10)
+        assert (status, reads, openai_error(body)["code"]) == (413, 3, "request_too_large")
+    assert ray_proxy.seen == []
+    status, _, _, _ = exchange(app, headers=(bearer(BOB),), chunks=(b"z" * 500, b"z" * 500))  # exactly the limit
+    assert status == 200 and ray_proxy.seen[0][1] == b"z" * 1000
+
+
+def test_a_body_slower_than_the_timeout_is_a_408():
+    app = proxy_stack(FakeRayProxy(), PROXY_ENV)
+    status, headers, body, _ = exchange(app, headers=(bearer(ALICE_1),), chunks=(b"{",), stall=True)
+    assert status == 408 and openai_error(body)["code"] == "request_timeout" and headers[b"connection"] == b"close"
+
+
+def test_every_key_of_a_tenant_routes_as_that_tenant():
+    from specdec.deploy.router import TENANT_HEADER, affinity_of
+
+    ray_proxy = FakeRayProxy()
+    app = proxy_stack(ray_proxy, PROXY_ENV)
+    forged = ("X-Specdec-Tenant", "bob")
+    for key in (ALICE_1, ALICE_2, BOB):
+        assert exchange(app, headers=(bearer(key), forged))[0] == 200
+    routed = [{name.lower(): value for name, value in scope["headers"]} for scope, _ in ray_proxy.seen]
+    assert [headers[TENANT_HEADER] for headers in routed] == [b"alice", b"alice", b"bob"]
+    assert all([name.lower() for name, _ in scope["headers"]].count(TENANT_HEADER) == 1 for scope, _ in ray_proxy.seen)
+    alice_1, alice_2, bob = (affinity_of(headers, 1024) for headers in routed)
+    assert alice_1 == alice_2 == "tenant:alice" and bob == "tenant:bob"
+    # A proxy without keys: anonymous, the client's header dropped, routing on the key as before.
+    open_proxy = FakeRayProxy()
+    assert exchange(proxy_stack(open_proxy, {}), headers=(bearer("any"), forged))[0] == 200
+    headers = {name.lower(): value for name, value in open_proxy.seen[0][0]["headers"]}
+    assert TENANT_HEADER not in headers and affinity_of(headers, 1024).startswith("key:")
+
+
+def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch):
+    import threading
+
+    import specdec.deploy.proxy as proxy
+    from specdec.deploy.prefix import PREFIX_HEADER
+
+    decoded_on = []
+
+    def recording(body):
+        decoded_on.append(threading.get_ident())
+        return real(body)
+
+    real = proxy.prompt_digests
+    monkeypatch.setattr(proxy, "prompt_digests", recording)
+    ray_proxy = FakeRayProxy()
+    app = proxy_stack(ray_proxy, {})
+    large = json.dumps({"model": "m", "messages": [{"role": "user", "content": "w" * (proxy.OFF_LOOP_JSON_BYTES + 1)}]})
+    small = json.dumps({"model": "m", "messages": [{"role": "user", "content": "w" * 2000}]})
+    for body in (large, small):
+        assert exchange(app, chunks=(body.encode(),))[0] == 200
+    assert decoded_on[0] != threading.get_ident() and decoded_on[1] == threading.get_ident()
+    assert all(dict(scope["headers"])[PREFIX_HEADER] for scope, _ in ray_proxy.seen)
+    assert [body for _, body in ray_proxy.seen] == [large.encode(), small.encode()]
+
+
+def test_rays_own_plain_text_errors_become_openai_errors():
+    from ray.serve._private.http_util import convert_object_to_asgi_messages
+
+    def ray_answers(text, status, headers=None):
+        async def respond(send):
+            for message in convert_object_to_asgi_messages(text, status_code=status, extra_headers=headers):
+                await send(message)
+        return respond
+
+    full = "Request dropped due to backpressure (num_queued_requests=4, max_queued_requests=4)."
+    status, headers, body, _ = exchange(proxy_stack(FakeRayProxy(ray_answers(full, 429, [(b"retry-after", b"1")])), {}))
+    error = openai_error(body)
+    assert (status, error["type"], error["code"]) == (429, "rate_limit_error", "queue_full")
+    assert full in error["message"] and headers[b"retry-after"] == b"1"
+    assert headers[b"content-type"] == b"application/json" and int(headers[b"content-length"]) == len(body)
+    status, _, body, _ = exchange(proxy_stack(FakeRayProxy(ray_answers("no replica", 503)), {}))
+    assert (status, openai_error(body)["type"], openai_error(body)["code"]) == (503, "server_error", "unavailable")
+    status, _, body, _ = exchange(proxy_stack(FakeRayProxy(ray_answers("Path '/v1/x' not found.", 404)), {}))
+    assert (status, openai_error(body)["code"]) == (404, "not_found")
+    # Ray's health answer stays what load balancers read; a replica's own answers pass unchanged.
+    status, _, body, _ = exchange(proxy_stack(FakeRayProxy(ray_answers("draining", 503)), {}), path="/-/healthz",
+                                  method="GET", chunks=(b"",))
+    assert (status, body) == (503, b"draining")
+
+    async def replica_error(send):
+        await send({"type": "http.response.start", "status": 429,
+                    "headers": [(b"content-type", b"text/plain"), (b"x-specdec-replica", b"r1")]})
+        await send({"type": "http.response.body", "body": b"the replica's own"})
+
+    assert exchange(proxy_stack(FakeRayProxy(replica_error), {}))[2] == b"the replica's own"
+
+
+def test_the_proxy_reads_its_settings_from_the_environment():
+    from specdec.deploy.proxy import ProxySettings
+    from specdec.server.config import ServerConfig
+    from specdec.types import SpecdecError
+
+    defaults = ProxySettings.from_environment({})
+    assert not defaults.keys and (defaults.max_body_bytes, defaults.body_timeout) == (
+        ServerConfig.max_body_bytes, ServerConfig.body_timeout)
+    settings = ProxySettings.from_environment(PROXY_ENV)
+    assert settings.keys.tenants == ["alice", "bob"] and settings.keys.tenant_of(ALICE_2) == "alice"
+    assert (settings.max_body_bytes, settings.body_timeout) == (1000, 0.3)
+    for bad in ({"SPECDEC_MAX_BODY_BYTES": "8M"}, {"SPECDEC_MAX_BODY_BYTES": "0"}, {"SPECDEC_BODY_TIMEOUT": "inf"}):
+        with pytest.raises(SpecdecError, match=r"^\$SPECDEC_(MAX_BODY_BYTES|BODY_TIMEOUT) must be a positive"):
+            ProxySettings.from_environment(bad)
+
+
+# -- the keys never travel in what Ray stores ---------------------------------------------------------
+@pytest.fixture
+def no_keys_in_env(monkeypatch):
+    for name in ("SPECDEC_API_KEY", "SPECDEC_API_KEYS", "SPECDEC_API_KEYS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_the_replica_spec_carries_no_key_and_a_replica_finds_them_on_its_node(tmp_path, monkeypatch, no_keys_in_env):
+    from specdec.deploy.cli import local_ray_environment, replica_spec
+    from specdec.deploy.replica import keys_on_this_node
+    from specdec.server.cli import parse_serve_flags
+    from specdec.types import SpecdecError
+
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"alice {ALICE_1}\nalice {ALICE_2}\nbob {BOB}\n")
+    keys_file.chmod(0o600)
+    monkeypatch.chdir(tmp_path)
+    args = parse_serve_flags(["--ray", "--model", "t.gguf", "--api-keys-file", "keys", "--max-body-bytes", "5000"])
+    spec = replica_spec(args)
+    stored = pickle.dumps(spec)
+    assert not any(key.encode() in stored for key in (ALICE_1, ALICE_2, BOB))
+    assert spec.server.api_key is None and spec.server.api_keys == ()
+    assert spec.api_keys_file == str(keys_file) and spec.key_tenants == ("alice", "bob")
+    server = keys_on_this_node(spec, {})  # the file, read on the replica's node
+    assert dict(server.api_keys) == {ALICE_1: "alice", ALICE_2: "alice", BOB: "bob"}
+    assert local_ray_environment(args, spec)["SPECDEC_API_KEYS_FILE"] == str(keys_file)
+    assert local_ray_environment(args, spec)["SPECDEC_MAX_BODY_BYTES"] == "5000"
+    # A rotation (another key of a tenant) is fine; a node with other tenants' keys, or none, refuses.
+    keys_file.write_text(f"alice {ALICE_1}\nalice sk-alice-3\nbob {BOB}\n")
+    assert len(keys_on_this_node(spec).api_keys) == 3
+    keys_file.write_text(f"alice {ALICE_1}\n")
+    with pytest.raises(SpecdecError, match=r"tenants \['alice'\], but the deployment was started with keys of "
+                                           r"\['alice', 'bob'\]"):
+        keys_on_this_node(spec)
+
+    # One key from the environment: the same on the node (the CLI's local Ray inherits it).
+    monkeypatch.setenv("SPECDEC_API_KEY", "sk-default")
+    spec = replica_spec(parse_serve_flags(["--ray", "--model", "t.gguf"]))
+    assert b"sk-default" not in pickle.dumps(spec) and spec.key_tenants == ("default",)
+    assert keys_on_this_node(spec, {"SPECDEC_API_KEY": "sk-default"}).api_key == "sk-default"
+    with pytest.raises(SpecdecError, match="give every node the same keys"):
+        keys_on_this_node(spec, {})
+    # A deployment started without keys serves under the keys its nodes have (never fewer checks).
+    monkeypatch.delenv("SPECDEC_API_KEY")
+    spec = replica_spec(parse_serve_flags(["--ray", "--model", "t.gguf"]))
+    assert spec.key_tenants == () and keys_on_this_node(spec, {"SPECDEC_API_KEYS": "carol sk-c"}).api_keys == (
+        ("sk-c", "carol"),)
+
+
+def test_an_api_key_flag_is_refused_where_it_would_travel_in_rays_state(capsys, no_keys_in_env):
+    from specdec.deploy.app import build
+    from specdec.deploy.cli import local_ray_environment, replica_spec
+    from specdec.server.cli import parse_serve_flags
+    from specdec.types import SpecdecError
+
+    with pytest.raises(SpecdecError, match="^--api-key in a Serve config would put the key in the config"):
+        build({"flags": "--api-key sk-secret --model t.gguf"})
+    assert main(["serve", "--ray", "--address", "127.0.0.1:1", "--api-key", "sk-secret", "--model", "t.gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key with --address would put the key in the deployment's arguments" in err and "sk-secret" not in err
+    # The local Ray this command starts gets it through its environment instead.
+    args = parse_serve_flags(["--ray", "--api-key", "sk-secret", "--model", "t.gguf"])
+    spec = replica_spec(args)
+    assert b"sk-secret" not in pickle.dumps(spec)
+    environment = local_ray_environment(args, spec)
+    assert environment["SPECDEC_API_KEY"] == "sk-secret"
+    assert environment["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "specdec.deploy.proxy:middlewares"
+
+
+def test_a_full_queue_is_a_429_with_retry_after_as_under_specdec_serve():
+    from specdec.deploy.app import deployment_options
+    from specdec.deploy.cli import replica_spec, scale_config
+    from specdec.server.cli import parse_serve_flags
+
+    args = parse_serve_flags(["--ray", "--model", "t.gguf", "--max-queue", "3"])
+    options = deployment_options(replica_spec(args), scale_config(args))
+    assert options["max_queued_requests"] == 3
+    assert (options["backpressure_config"].status_code, options["backpressure_config"].retry_after_s) == (429, 1)

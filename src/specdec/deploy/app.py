@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ray import serve
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from specdec.deploy.metrics import MetricsHub
 from specdec.deploy.prefix import DEFAULT_PREFIX_CHARS, validate_prefix_chars
@@ -24,6 +24,10 @@ METRICS_HUB_NAME = "specdec-metrics"
 ROUTER = "specdec.deploy.router:AffinityRouter"
 # Seconds Ray Serve gives a stopping replica beyond the app's own drain grace.
 SHUTDOWN_MARGIN_SECONDS = 5.0
+# An API key never travels in what Ray stores: replicas and proxies read it on their nodes (replica.py).
+KEY_IN_CONFIG = ("--api-key {where} would put the key in {what}: set SPECDEC_API_KEYS_FILE (a keys file on every "
+                 "node), SPECDEC_API_KEYS or SPECDEC_API_KEY where each node's `ray start` runs, or pass "
+                 "--api-keys-file PATH (the file at that path on every node).")
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,12 @@ def deployment_options(spec: ReplicaSpec, scale: ScaleConfig) -> dict:
         ray_actor_options={"num_cpus": scale.threads_per_replica},
         # A replica takes as many requests as it has slots: a request whose key's replica is full
         # goes to one with a free slot rather than wait (waiting costs more than the n-gram
-        # history it loses), and Ray holds the rest, up to the server's queue size (then 503).
+        # history it loses), and Ray holds the rest, up to the server's queue size (per proxy);
+        # beyond it Ray answers what `specdec serve` does, 429 with Retry-After (the proxy's
+        # middleware gives it the OpenAI body, proxy.py).
         max_ongoing_requests=spec.slots,
         max_queued_requests=max(1, spec.server.max_queue),
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=spec.server.retry_after),
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER, request_router_kwargs={"prefix_chars": scale.prefix_routing_chars}),
         graceful_shutdown_timeout_s=spec.server.drain_grace + SHUTDOWN_MARGIN_SECONDS,
@@ -123,4 +130,7 @@ def build(args: dict):
 
     flags = args.get("flags", "")
     parsed = parse_serve_flags(shlex.split(flags) if isinstance(flags, str) else [str(f) for f in flags])
+    if parsed.api_key:
+        raise SpecdecError(KEY_IN_CONFIG.format(where="in a Serve config", what="the config, which Ray stores and "
+                                                "shows (`serve config`, the dashboard)"))
     return build_application(replica_spec(parsed), scale_config(parsed))

@@ -13,9 +13,10 @@ import signal
 import threading
 from pathlib import Path
 
-from specdec.deploy.app import ScaleConfig, build_application
-from specdec.deploy.proxy import CALLBACK, CALLBACK_ENV
-from specdec.deploy.replica import DEFAULT_ENGINE_FACTORY, ReplicaSpec
+from specdec.deploy.app import KEY_IN_CONFIG, ScaleConfig, build_application
+from specdec.deploy.proxy import CALLBACK, CALLBACK_ENV, proxy_environment
+from specdec.deploy.replica import DEFAULT_ENGINE_FACTORY, ReplicaSpec, without_keys
+from specdec.server.tenants import API_KEY_ENV, API_KEYS_FILE_ENV
 from specdec.types import SpecdecError
 
 logger = logging.getLogger("specdec.deploy")
@@ -38,16 +39,29 @@ def replica_spec(args: argparse.Namespace) -> ReplicaSpec:
         raise SpecdecError("with --ray, a replica's threads are --threads-per-replica; drop --threads.")
     default_name = Path(args.model).stem if args.model else default_path(TARGET).stem
     args.threads = args.threads_per_replica  # each replica's engine uses the CPUs Ray reserved for it
-    return ReplicaSpec(model_config(args), build_config(args, default_name), args.parallel,
+    spec = ReplicaSpec(model_config(args), build_config(args, default_name), args.parallel,
                        args.engine_factory or DEFAULT_ENGINE_FACTORY)
+    return without_keys(spec, args.api_keys_file or os.environ.get(API_KEYS_FILE_ENV))
 
 
-def connect(args: argparse.Namespace) -> None:
+def local_ray_environment(args: argparse.Namespace, spec: ReplicaSpec) -> dict[str, str]:
+    """What the Ray processes started here must find in their environment: the proxy's middleware
+    and body limits, and the keys the proxies and replicas check (never in the deployment's
+    arguments, which Ray stores)."""
+    environment = {CALLBACK_ENV: os.environ.get(CALLBACK_ENV, CALLBACK), **proxy_environment(spec.server)}
+    if args.api_key:
+        environment[API_KEY_ENV] = args.api_key
+    if spec.api_keys_file:
+        environment[API_KEYS_FILE_ENV] = spec.api_keys_file
+    return environment
+
+
+def connect(args: argparse.Namespace, spec: ReplicaSpec) -> None:
     """Ray: a local instance started here, or the cluster at --address."""
     import ray
 
     if args.address is None:
-        os.environ.setdefault(CALLBACK_ENV, CALLBACK)  # inherited by the Ray processes started here
+        os.environ.update(local_ray_environment(args, spec))  # inherited by the Ray processes started here
         # "local": never the cluster that RAY_ADDRESS or this machine's last `ray start` names, which
         # ray.init() would otherwise join (and whose Serve this command would shut down at the end).
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
@@ -76,10 +90,13 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    if args.address is not None and args.api_key:
+        raise SpecdecError(KEY_IN_CONFIG.format(where="with --address", what="the deployment's arguments, which "
+                                                "Ray stores on the cluster"))
     spec, scale = replica_spec(args), scale_config(args)  # bad flags fail before Ray starts
     stop = threading.Event()
     try:
-        connect(args)
+        connect(args, spec)
         # After ray.init, which installs its own SIGTERM handler (it aborts the process, exit
         # -6); before the deployment, so that a signal during its start-up still stops cleanly.
         for sig in (signal.SIGTERM, signal.SIGINT):

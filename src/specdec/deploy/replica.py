@@ -9,8 +9,10 @@ from __future__ import annotations
 import fcntl
 import importlib
 import logging
-from dataclasses import dataclass
-from typing import Callable
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Mapping, Optional
 
 import ray
 from ray import serve
@@ -20,6 +22,8 @@ from specdec.deploy.metrics import HubLink
 from specdec.engine.engine import Engine
 from specdec.server.app import create_app
 from specdec.server.config import ServerConfig
+from specdec.server.tenants import API_KEY_ENV, API_KEYS_ENV, API_KEYS_FILE_ENV, DEFAULT_TENANT, configured_keys
+from specdec.types import SpecdecError
 
 logger = logging.getLogger("specdec.deploy")
 
@@ -28,13 +32,47 @@ DEFAULT_ENGINE_FACTORY = "specdec.runtime:load_engine"
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """What every replica builds; pickled once by Ray and sent to each."""
+    """What every replica builds; pickled once by Ray and sent to each. Never an API key: Ray keeps
+    the spec (its controller's checkpoint) and the keys reach each replica through its node's
+    environment or a keys file (`keys_on_this_node`)."""
 
     models: ModelConfig
-    server: ServerConfig
+    server: ServerConfig  # without its keys
     slots: int  # sequences each replica generates at once (`--parallel`)
     # "module:function", called as function(models, n_slots=slots) -> Engine. Tests name a fake.
     engine_factory: str = DEFAULT_ENGINE_FACTORY
+    api_keys_file: Optional[str] = None  # an absolute path, read on each replica's node
+    # The tenants the deployment was started with keys of, sorted: a replica whose node has keys of
+    # others, or none, refuses to start rather than serve under them (names only, never keys; more
+    # keys of the same tenants, a rotation, are fine).
+    key_tenants: tuple[str, ...] = ()
+
+
+def key_tenants(api_key: Optional[str], api_keys: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    return tuple(sorted({tenant for _, tenant in api_keys} | ({DEFAULT_TENANT} if api_key else set())))
+
+
+def without_keys(spec: ReplicaSpec, api_keys_file: Optional[str]) -> ReplicaSpec:
+    """`spec` with its server's keys taken out, and what a replica needs to find them again."""
+    server = spec.server
+    return replace(spec, server=replace(server, api_key=None, api_keys=()),
+                   api_keys_file=str(Path(api_keys_file).resolve()) if api_keys_file else None,
+                   key_tenants=key_tenants(server.api_key, server.api_keys))
+
+
+def keys_on_this_node(spec: ReplicaSpec, environ: Optional[Mapping[str, str]] = None) -> ServerConfig:
+    """The replica's server settings with the keys of this node: those of its environment (the
+    environment its `ray start` ran in: SPECDEC_API_KEY, SPECDEC_API_KEYS, SPECDEC_API_KEYS_FILE)
+    and of `spec.api_keys_file`. Other tenants than the deployment was started with are an error."""
+    environ = os.environ if environ is None else environ
+    api_key, api_keys = configured_keys(None, spec.api_keys_file, environ)
+    found = key_tenants(api_key, api_keys)
+    if spec.key_tenants and found != spec.key_tenants:
+        raise SpecdecError(
+            f"this replica's node has API keys of the tenants {list(found)}, but the deployment was started with "
+            f"keys of {list(spec.key_tenants)}: give every node the same keys, in the environment of its `ray "
+            f"start` ({API_KEYS_FILE_ENV}, {API_KEYS_ENV} or {API_KEY_ENV}) or in a keys file at the same path.")
+    return replace(spec.server, api_key=api_key, api_keys=api_keys)
 
 
 def import_callable(path: str) -> Callable:
@@ -48,7 +86,6 @@ def pull_default_models(models: ModelConfig) -> None:
     a model already there is only checked (size, and the sha256 stamp of an earlier check)."""
     from specdec.models.pull import pull, verify_cached
     from specdec.models.registry import DRAFT, TARGET, default_path
-    from specdec.types import SpecdecError
 
     wanted = [spec for spec, path in ((TARGET, models.target), (DRAFT, models.draft if models.load_draft else ""))
               if path is None]
@@ -90,13 +127,14 @@ class ReplicaHeaders:
 class SpecdecReplica:
     # async: Ray runs it on the replica's event loop, where the metrics pushes then run.
     async def __init__(self, spec: ReplicaSpec, metrics_hub):
+        server = keys_on_this_node(spec)  # before the models load: a node without the keys fails at once
         if spec.engine_factory == DEFAULT_ENGINE_FACTORY:
             pull_default_models(spec.models)
         self.engine: Engine = import_callable(spec.engine_factory)(spec.models, n_slots=spec.slots)
         replica = serve.get_replica_context().replica_id.unique_id
         self.hub_link = HubLink(metrics_hub, replica)
         # Not `self.app`: Ray's ASGI wrapper, which this class becomes, has a read-only `app`.
-        self.specdec_app = create_app(self.engine, spec.server, metrics_exposition=self.hub_link.exposition)
+        self.specdec_app = create_app(self.engine, server, metrics_exposition=self.hub_link.exposition)
         self.specdec_app.add_middleware(ReplicaHeaders, replica=replica, node=ray.get_runtime_context().get_node_id())
         self.hub_link.start(self.specdec_app.state.specdec.metrics)
 

@@ -1,7 +1,7 @@
 """Affinity routing on Ray Serve's request-router extension point.
 
 Speculation and prompt processing on a replica feed on what that replica has seen: the
-cross-request history is kept per API key (drafters/history.py), and the prefix cache per
+cross-request history is kept per tenant (drafters/history.py), and the prefix cache per
 slot (a long prompt served there is reused by the next one that starts the same way). So:
 
 - a request whose prompt starts with at least `--prefix-routing-chars` characters (default
@@ -9,7 +9,10 @@ slot (a long prompt served there is reused by the next one that starts the same 
   request sharing that prefix (a system prompt, a document, a chat's history) lands on the
   replica that holds it in cache. The proxy's middleware (proxy.py) passes digests of the
   prompt's leading blocks in a header (prefix.py); the router never sees the body;
-- any other request with an API key goes to the replica its key hashes to;
+- any other request with an API key goes to the replica its tenant hashes to: the tenant of its
+  key, which the proxy's key check passes in a header (proxy.py), so every key of one tenant
+  (rotation) lands on the replica holding that tenant's history; where the proxy checks no keys,
+  the key itself;
 - requests without either get Ray's default, the less loaded of two random replicas.
 
 Hashing is rendezvous hashing (each affinity ranks the replicas by hash(affinity, replica) and
@@ -28,6 +31,9 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from specdec.deploy.prefix import DEFAULT_PREFIX_CHARS, PREFIX_HEADER, routing_digest
 from specdec.drafters.history import tenant_of_api_key
+
+# The tenant of the request's key, set by the proxy once the key is checked (proxy.py); routing only.
+TENANT_HEADER = b"x-specdec-tenant"
 
 
 def proxied_headers(pending: Optional[PendingRequest]) -> dict[bytes, bytes]:
@@ -53,10 +59,14 @@ def api_key_of(headers: dict[bytes, bytes]) -> Optional[str]:
 
 
 def affinity_of(headers: dict[bytes, bytes], prefix_chars: int) -> Optional[str]:
-    """What the request should stay with: its prompt's prefix, else its API key, else nothing."""
+    """What the request should stay with: its prompt's prefix, else its key's tenant, else its API
+    key, else nothing."""
     digest = routing_digest(headers.get(PREFIX_HEADER), prefix_chars)
     if digest is not None:
         return f"prefix:{digest}"
+    tenant = headers.get(TENANT_HEADER)
+    if tenant:
+        return f"tenant:{tenant.decode('ascii', 'replace')}"
     key = api_key_of(headers)
     # The tenant's digest, never the raw key, in memory longer than needed.
     return None if key is None else f"key:{tenant_of_api_key(key)}"
