@@ -71,6 +71,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     tenant: Optional[str] = None  # whose cross-request history drafts for it (None: anonymous)
+    cache_prompt: bool = True  # reuse a cached prefix of the prompt (llama-server's field); False: process it all
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,21 @@ def test_prefix_cache_reuses_a_shared_prompt_prefix():
         assert metric(url, "specdec:prefix_cache_hit_tokens_total") == cached
 
 
+def test_cache_prompt_false_processes_the_whole_prompt_again():
+    app = make_app(n_slots=2, delay=0.0)
+    prompt = "the cat sat on the mat " * 20
+    with serve_in_thread(app) as (url, _):
+        def cached(**extra):
+            r = httpx.post(url + "/v1/completions", json=body(prompt=prompt, max_tokens=8, **extra), timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == reference(prompt, 8).text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached() == 0
+        assert cached(cache_prompt=False) == 0  # llama-server's field: nothing reused
+        assert cached() > 0  # the default reuses it
+
+
 def test_chunked_prefill_gives_the_same_text():
     app = make_app(n_slots=2, delay=0.0, draft=True, prefill_chunk=7, spec=SpecConfig("draft", 3))
     prompt = "on the mat the cat sat " * 10

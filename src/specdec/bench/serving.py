@@ -60,8 +60,8 @@ async def one_request(client: httpx.AsyncClient, config: ServedConfig, prompt: B
             "stream": True, "stream_options": {"include_usage": True}}
     if config.method is not None:
         body["speculative_decoding"] = {"method": config.method}
-    else:
-        body["cache_prompt"] = False  # llama-server: no cross-slot prompt cache between waves
+    # Every server processes every prompt: no prompt cached by another configuration's wave.
+    body["cache_prompt"] = False
     record = {"config": config.label, "prompt_id": prompt.id, "category": prompt.category, "error": None}
     started = time.perf_counter()
     chunks: list[float] = []

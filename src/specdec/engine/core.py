@@ -177,7 +177,7 @@ class EngineCore:
 
     # -- stages ------------------------------------------------------------------------------
     def _reusable(self, slot: int, request: GenerationRequest) -> int:
-        if self._slot_tenant[slot] != request.tenant:
+        if self._slot_tenant[slot] != request.tenant or not request.cache_prompt:
             return 0
         return self.engine.slots[slot].target.reusable_prefix(request.prompt_token_ids[:-1])
 
@@ -185,9 +185,10 @@ class EngineCore:
         engine = self.engine
         active.generation = engine.new_generation(active.request, slot=active.slot)
         slot = engine.slots[active.slot]
-        if engine.config.prefix_cache and self._slot_tenant[active.slot] == active.request.tenant:
+        if engine.config.prefix_cache and active.request.cache_prompt and \
+                self._slot_tenant[active.slot] == active.request.tenant:
             active.generation.cached_prompt_tokens = slot.target.reuse_prefix(active.request.prompt_token_ids[:-1])
-        else:  # another tenant's text: nothing of it is reused
+        else:  # another tenant's text, or a request that asked for none: nothing of it is reused
             slot.target.clear()
             if slot.draft is not None:
                 slot.draft.clear()

@@ -128,6 +128,7 @@ def generation_request(engine: Engine, config: ServerConfig, body: Union[ChatCom
         stop=stop,
         ignore_eos=bool(body.ignore_eos),
         tenant=tenant,
+        cache_prompt=body.cache_prompt is not False,
     )
     try:
         request.sampling.validate()

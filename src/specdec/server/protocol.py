@@ -180,6 +180,7 @@ class ChatCompletionRequest(_Request):
     top_k: TopK = None
     min_p: MinP = None
     ignore_eos: Optional[bool] = None
+    cache_prompt: Optional[bool] = None  # llama-server's: false processes the whole prompt again
     speculative_decoding: SpeculativeField = None
 
 
@@ -225,6 +226,7 @@ class CompletionRequest(_Request):
     top_k: TopK = None
     min_p: MinP = None
     ignore_eos: Optional[bool] = None
+    cache_prompt: Optional[bool] = None  # llama-server's: false processes the whole prompt again
     speculative_decoding: SpeculativeField = None
 
 
