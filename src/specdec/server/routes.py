@@ -183,21 +183,11 @@ def tenant_of(request: Request) -> Optional[str]:
     return None if state_of(request).config.shared_history else UNSHARED_TENANT
 
 
-def check_capacity(state: ServerState) -> None:
-    """The scheduler's own refusals (draining, stalled; the queue bound, as `submit` counts it),
-    checked before a prompt is rendered and tokenized for a request that would be refused."""
-    scheduler = state.scheduler
-    scheduler.check_accepting()
-    free_slots = len(state.engine.slots) - scheduler.num_running
-    if scheduler.num_waiting >= state.config.max_queue + max(0, free_slots):
-        raise QueueFull()
-
-
 async def _complete(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], fmt: Format) -> Response:
     state = state_of(request)
     check_model(body.model, state.config)
     try:
-        check_capacity(state)  # before encoding a prompt nobody will generate from
+        state.scheduler.check_accepting()  # before encoding a prompt nobody will generate from
         check_prompt_size(state.engine, state.config, body)  # before tokenizing one that cannot fit
         # Chat templates and tokenizers can take a while on long prompts: off the event loop, and
         # within the time limit (a stuck tokenizer must not hold the request forever).

@@ -133,15 +133,13 @@ class Scheduler:
         ticket = Ticket(request, loop, now, now + self.config.request_timeout, self._wake)
         with self._cond:
             self._check_accepting()
-            free_slots = self.n_slots - len(self._running)
-            if len(self._waiting) >= self.config.max_queue + max(0, free_slots):
-                raise QueueFull()
             self._waiting.append(ticket)
             self._cond.notify()
         return ticket
 
     def check_accepting(self) -> None:
-        """Raise Refused if a new request would be refused now (checked before a prompt is encoded)."""
+        """Raise Refused or QueueFull if a new request would be refused now (checked before a
+        prompt is encoded, and again when it is submitted)."""
         with self._cond:
             self._check_accepting()
 
@@ -150,6 +148,8 @@ class Scheduler:
             raise Refused(stalled_error(self._stalled))
         if self._draining or self._stopping:
             raise Refused(not_accepting_error())
+        if len(self._waiting) >= self.config.max_queue + max(0, self.n_slots - len(self._running)):
+            raise QueueFull()
 
     def begin_drain(self) -> None:
         """No new requests from now on; those in flight go on."""
