@@ -176,8 +176,13 @@ class EngineCore:
         raise AssertionError("generation ended without a final event")
 
     # -- stages ------------------------------------------------------------------------------
+    def _may_reuse(self, slot: int, request: GenerationRequest) -> bool:
+        """Whether the request may start from what the slot's cache holds: its own tenant's text,
+        and it did not ask for its whole prompt to be processed."""
+        return self._slot_tenant[slot] == request.tenant and request.cache_prompt
+
     def _reusable(self, slot: int, request: GenerationRequest) -> int:
-        if self._slot_tenant[slot] != request.tenant or not request.cache_prompt:
+        if not self._may_reuse(slot, request):
             return 0
         return self.engine.slots[slot].target.reusable_prefix(request.prompt_token_ids[:-1])
 
@@ -185,8 +190,7 @@ class EngineCore:
         engine = self.engine
         active.generation = engine.new_generation(active.request, slot=active.slot)
         slot = engine.slots[active.slot]
-        if engine.config.prefix_cache and active.request.cache_prompt and \
-                self._slot_tenant[active.slot] == active.request.tenant:
+        if engine.config.prefix_cache and self._may_reuse(active.slot, active.request):
             active.generation.cached_prompt_tokens = slot.target.reuse_prefix(active.request.prompt_token_ids[:-1])
         else:  # another tenant's text, or a request that asked for none: nothing of it is reused
             slot.target.clear()
