@@ -35,13 +35,20 @@ def pending_file() -> Path:
     return specdec_home() / "builds" / "ik-pending"
 
 
+def pending_build(pending: Optional[Path] = None) -> Optional[Path]:
+    """The folder of the build the pending file names (None: no build is pending)."""
+    try:
+        return Path((pending or pending_file()).read_text().strip())
+    except OSError:
+        return None
+
+
 def finished_build(pending: Optional[Path] = None) -> Optional[Path]:
     """The unpacked library of the pending build once it is complete and this CPU runs it."""
     from specdec.backends.bindings import ik_llama
 
-    try:
-        folder = Path((pending or pending_file()).read_text().strip())
-    except OSError:
+    folder = pending_build(pending)
+    if folder is None:
         return None
     library = folder / "unpacked" / "ik_llama_cpp" / "lib" / "libllama.so"
     if not any(folder.glob("ik_llama_cpp_python-*.whl")) or not library.exists() or not ik_llama.cpu_runs(library):
@@ -51,8 +58,10 @@ def finished_build(pending: Optional[Path] = None) -> Optional[Path]:
 
 def build_progress(pending: Optional[Path] = None) -> Optional[tuple[int, int]]:
     """(steps done, steps) of the pending build's compiler, from its log's last ninja line."""
+    folder = pending_build(pending)
+    if folder is None:
+        return None
     try:
-        folder = Path((pending or pending_file()).read_text().strip())
         with open(folder / "build.log", "rb") as log:
             log.seek(0, os.SEEK_END)
             log.seek(max(0, log.tell() - 8192))
@@ -103,7 +112,7 @@ class BuildWatcher:
     def start(self) -> None:
         logger.info("serving on PyPI's ik_llama.cpp wheel while specdec's build is made in the background "
                     "(log: %s/build.log); the server switches to it when it is done",
-                    pending_file().read_text().strip() if pending_file().exists() else "?")
+                    pending_build() or "?")
         self._thread.start()
 
     def stop(self) -> None:
