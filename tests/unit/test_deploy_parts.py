@@ -559,6 +559,7 @@ def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch):
 
     import specdec.deploy.proxy as proxy
     from specdec.deploy.prefix import PREFIX_HEADER
+    from specdec.server.limits import OFF_LOOP_JSON_BYTES
 
     decoded_on = []
 
@@ -570,7 +571,7 @@ def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch):
     monkeypatch.setattr(proxy, "prompt_digests", recording)
     ray_proxy = FakeRayProxy()
     app = proxy_stack(ray_proxy, {})
-    large = json.dumps({"model": "m", "messages": [{"role": "user", "content": "w" * (proxy.OFF_LOOP_JSON_BYTES + 1)}]})
+    large = json.dumps({"model": "m", "messages": [{"role": "user", "content": "w" * (OFF_LOOP_JSON_BYTES + 1)}]})
     small = json.dumps({"model": "m", "messages": [{"role": "user", "content": "w" * 2000}]})
     for body in (large, small):
         assert exchange(app, chunks=(body.encode(),))[0] == 200

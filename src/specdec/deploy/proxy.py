@@ -37,7 +37,6 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
-import anyio.to_thread
 from starlette.middleware import Middleware
 
 from specdec.deploy.prefix import COMPLETION_PATHS, PREFIX_HEADER, encode_header, prefix_digests, prompt_text
@@ -45,7 +44,7 @@ from specdec.deploy.router import TENANT_HEADER
 from specdec.server.app import OPEN_PATHS
 from specdec.server.config import ServerConfig
 from specdec.server.errors import APIError, error_body
-from specdec.server.limits import OFF_LOOP_JSON_BYTES, BodyLimitMiddleware
+from specdec.server.limits import BodyLimitMiddleware, off_loop_if_large
 from specdec.server.sse import DONE, sse_error
 from specdec.server.tenants import APIKeys, AuthMiddleware, configured_keys, tenant_of_scope
 from specdec.types import SpecdecError
@@ -172,10 +171,7 @@ class PromptPrefixHeader:
         body, last = await read_body(receive)
         headers = [(name, value) for name, value in scope.get("headers", ()) if name.lower() != PREFIX_HEADER]
         if len(body) <= self.MAX_BODY:
-            if len(body) > OFF_LOOP_JSON_BYTES:
-                digests = await anyio.to_thread.run_sync(prompt_digests, body)
-            else:
-                digests = prompt_digests(body)
+            digests = await off_loop_if_large(prompt_digests, body)
             if digests:
                 headers.append((PREFIX_HEADER, encode_header(digests)))
         await self.app({**scope, "headers": headers}, replaying(body, last, receive), send)

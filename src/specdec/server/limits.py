@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -30,6 +30,7 @@ OFF_LOOP_JSON_BYTES = 64 << 10
 # a prompt of more bytes than the context times this cannot fit, whatever it tokenizes into.
 PROMPT_BYTES_PER_TOKEN = 64
 CLOSE = {"Connection": "close"}  # the rest of a refused body is never read
+T = TypeVar("T")
 
 
 def body_too_large(limit: int) -> APIError:
@@ -95,14 +96,17 @@ class BodyLimitMiddleware:
             await error_response(exc.error)(scope, receive, send)
 
 
+async def off_loop_if_large(function: Callable[[bytes], T], body: bytes) -> T:
+    """function(body), in a worker thread when the body is over OFF_LOOP_JSON_BYTES."""
+    if len(body) > OFF_LOOP_JSON_BYTES:
+        return await anyio.to_thread.run_sync(function, body)
+    return function(body)
+
+
 class OffLoopJSONRequest(Request):
     async def json(self):
         if not hasattr(self, "_json"):
-            body = await self.body()
-            if len(body) > OFF_LOOP_JSON_BYTES:
-                self._json = await anyio.to_thread.run_sync(json.loads, body)
-            else:
-                self._json = json.loads(body)
+            self._json = await off_loop_if_large(json.loads, await self.body())
         return self._json
 
 
