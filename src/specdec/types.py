@@ -62,6 +62,19 @@ class SpecConfig:
             raise SpecdecError("num_draft_tokens must be between 0 and 32.")
 
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "regex")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the generated text (specdec/grammar/): `kind` one of GRAMMAR_KINDS, `source`
+    the JSON Schema as a JSON string ("" for json_object: any JSON object), a Lark grammar in
+    llguidance's dialect, or a regular expression."""
+
+    kind: str
+    source: str = ""
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
@@ -69,9 +82,16 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     spec: SpecConfig = SpecConfig()
     stop: tuple[str, ...] = ()
+    # Tokens that end this request as the backend's end-of-generation tokens do (FIM's ends, server/fim.py).
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     tenant: Optional[str] = None  # whose cross-request history drafts for it (None: anonymous)
     cache_prompt: bool = True  # reuse a cached prefix of the prompt (llama-server's field); False: process it all
+    grammar: Optional[GrammarSpec] = None  # constrained decoding: every method masks by it alike
+    # Log-probabilities (sampling/logprobs.py): how many top alternatives per generated token,
+    # None = none computed (no cost); prompt_logprobs the same for the prompt's tokens (echo).
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +122,28 @@ class Verdict:
         return len(self.accepted_tokens)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the target's distribution at its position, and the
+    `top` most likely tokens there as (token id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """One decoding round as the stream reports it (server/speculative.py): the proposal's source
+    ("" when nothing was proposed), how many tokens it proposed, how many the target accepted,
+    and the proposed tokens it rejected (the playground shows them faintly)."""
+
+    source: str
+    proposed: int
+    accepted: int
+    rejected_token_ids: tuple[int, ...] = ()
+
+
 @dataclass
 class StreamEvent:
     """One step of a streamed generation: new text and tokens; the last event carries the result."""
@@ -113,6 +155,8 @@ class StreamEvent:
     # Who produced each of token_ids: "target" (the target's own), or the proposal's source whose
     # token the target accepted ("ngram", "cache", "draft", "hybrid")
     token_sources: list[str] = field(default_factory=list)
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token_ids entry, when the request asked
+    round: Optional[RoundOutcome] = None  # the round this event ends (None: a cancellation)
 
 
 @dataclass

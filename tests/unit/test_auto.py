@@ -27,7 +27,7 @@ class StubModelDrafter:
         self.token = token
         self.calls = []
 
-    def propose(self, context, k, sampling, rng, prefix=(), keep_drafting=None):
+    def propose(self, context, k, sampling, rng, prefix=(), keep_drafting=None, guide=None):
         self.calls.append((k, tuple(prefix)))
         return Proposal(tuple(prefix) + (self.token,) * (k - len(prefix)), None, "hybrid" if prefix else "draft")
 
@@ -472,7 +472,7 @@ class SlowModelDrafter(StubModelDrafter):
         super().__init__()
         self.clock, self.seconds = clock, seconds
 
-    def propose(self, context, k, sampling, rng, prefix=(), keep_drafting=None):
+    def propose(self, context, k, sampling, rng, prefix=(), keep_drafting=None, guide=None):
         self.clock.advance(self.seconds)
         return super().propose(context, k, sampling, rng, prefix, keep_drafting)
 

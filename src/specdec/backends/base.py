@@ -39,8 +39,9 @@ class Backend(ABC):
         """The raw bytes of one token (may be part of a UTF-8 character)."""
 
     @abstractmethod
-    def apply_chat_template(self, messages: Sequence[dict]) -> str:
-        """Render chat messages with the model's own template, ending with the assistant prompt."""
+    def apply_chat_template(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> str:
+        """Render chat messages with the model's own template, ending with the assistant prompt;
+        `tools`: OpenAI's tool definitions, for the template's tools section."""
 
     @abstractmethod
     def eval(self, seq_id: int, start: int, tokens: Sequence[int], *, prefill: bool = False) -> np.ndarray:

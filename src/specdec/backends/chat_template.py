@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from typing import Optional, Sequence
 
 from specdec.types import SpecdecError
 
 
-def render_chat_template(template: str, messages: Sequence[dict]) -> str:
+def render_chat_template(template: str, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> str:
     """Render a Hugging Face-style Jinja chat template, as transformers does, ending with the
-    assistant prompt."""
+    assistant prompt; `tools`: OpenAI's tool definitions ({"type": "function", "function": ...})."""
     from jinja2 import BaseLoader
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -21,6 +21,7 @@ def render_chat_template(template: str, messages: Sequence[dict]) -> str:
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
     try:
-        return env.from_string(template).render(messages=list(messages), add_generation_prompt=True, tools=None)
+        return env.from_string(template).render(messages=list(messages), add_generation_prompt=True,
+                                                 tools=list(tools) if tools else None)
     except TemplateError as exc:
         raise SpecdecError(f"the chat template refused the messages: {exc}") from None

@@ -7,11 +7,13 @@ A second instance with `noise > 0` plays a draft model that often, but not alway
 """
 from __future__ import annotations
 
+import json
 from typing import Optional, Sequence
 
 import numpy as np
 
 from specdec.backends.base import Backend
+from specdec.backends.chat_template import render_chat_template
 
 SPECIAL_PIECES = [b"<|endoftext|>", b"<|im_end|>", b"<|im_start|>"]
 WORD_PIECES = [b"the ", b"cat ", b"sat ", b"on ", b"mat", b"\xc3", b"\xa9"]  # 'é' is split over two tokens
@@ -32,8 +34,14 @@ class FakeBackend(Backend):
         clock=None,
         step_cost: float = 0.0,
         token_cost: float = 0.0,
+        extra_special_pieces: Sequence[bytes] = (),
+        chat_template: Optional[str] = None,
     ):
-        self.pieces: list[bytes] = SPECIAL_PIECES + [bytes([b]) for b in range(32, 127)] + [b"\n"] + WORD_PIECES
+        # Extra special pieces (e.g. FIM tokens) go last, so that every default id stays as it is.
+        self.pieces: list[bytes] = (SPECIAL_PIECES + [bytes([b]) for b in range(32, 127)] + [b"\n"] + WORD_PIECES
+                                    + list(extra_special_pieces))
+        self._extra_special = frozenset(extra_special_pieces)
+        self.chat_template = chat_template  # a Jinja chat template (a real model's) in place of the built-in one
         self.vocab_size = len(self.pieces)
         self.n_ctx = n_ctx
         self.max_sequences = max_sequences
@@ -59,7 +67,8 @@ class FakeBackend(Backend):
         while i < len(data):
             for length in range(min(self._max_piece, len(data) - i), 0, -1):
                 token = self._by_piece.get(data[i:i + length])
-                if token is not None:
+                # Extra special pieces honour parse_special (the default ones always parse, as before).
+                if token is not None and (parse_special or data[i:i + length] not in self._extra_special):
                     ids.append(token)
                     i += length
                     break
@@ -71,8 +80,17 @@ class FakeBackend(Backend):
     def token_bytes(self, token_id: int) -> bytes:
         return self.pieces[token_id]
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> str:
-        rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    def apply_chat_template(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> str:
+        if self.chat_template is not None:
+            return render_chat_template(self.chat_template, messages, tools)
+        # Qwen2.5's layout in brief: the tools as JSON lines in a system turn, calls as <tool_call> blocks.
+        lines = "".join(f"{json.dumps(tool)}\n" for tool in tools or ())
+        rendered = f"<|im_start|>system\n<tools>\n{lines}</tools><|im_end|>\n" if lines else ""
+        for m in messages:
+            calls = "".join(f'\n<tool_call>\n{{"name": "{call["function"]["name"]}", "arguments": '
+                            f'{json.dumps(call["function"]["arguments"])}}}\n</tool_call>'
+                            for call in m.get("tool_calls") or ())
+            rendered += f"<|im_start|>{m['role']}\n{m['content'] or ''}{calls}<|im_end|>\n"
         return rendered + "<|im_start|>assistant\n"
 
     # -- model -------------------------------------------------------------------------------

@@ -163,10 +163,10 @@ class LlamaFamilyBackend(Backend):
     def fingerprint_bytes(self, token_id: int) -> bytes:
         return self._piece(token_id, special=True)
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+    def apply_chat_template(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> str:
         if not self._chat_template:
             raise SpecdecError(f"{self.model_path.name} has no chat template; use a raw completion prompt instead.")
-        return render_chat_template(self._chat_template, messages)
+        return render_chat_template(self._chat_template, messages, tools)
 
     # -- evaluation ----------------------------------------------------------------------------
     def eval(self, seq_id: int, start: int, tokens: Sequence[int], *, prefill: bool = False) -> np.ndarray:

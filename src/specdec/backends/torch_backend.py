@@ -162,13 +162,14 @@ class TorchBackend(Backend):
     def fingerprint_bytes(self, token_id: int) -> bytes:
         return self._fingerprint_pieces[token_id]
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+    def apply_chat_template(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> str:
         if not self.tokenizer.chat_template:
             raise SpecdecError(f"{self.model_path.name} has no chat template; use a raw completion prompt instead.")
         from jinja2.exceptions import TemplateError
 
         try:
-            return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                                      tools=list(tools) if tools else None)
         except TemplateError as exc:
             raise SpecdecError(f"the chat template refused the messages: {exc}") from None
 

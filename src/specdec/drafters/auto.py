@@ -340,13 +340,17 @@ class AutoDrafter(Drafter):
         return self.cost.draft_prompt(len(prompt)) <= EAGER_DRAFT_PROMPT_STEPS * self.cost.target(1)
 
     # -- rounds --------------------------------------------------------------------------------
-    def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
+    def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator, guide=None) -> Proposal:
         self._context = context
         self._learn_from_shadows(context)
         self.context_index.track(context)
         offers = {"ngram": self.context_index.continuation(context, k)}
         if self.history is not None:
             offers["cache"] = self.history.continuation(context, k)
+        if guide is not None:  # priced as the grammar leaves them
+            cut = {source: guide.admissible(offer.tokens) for source, offer in offers.items()}
+            offers = {source: replace(offer, tokens=offer.tokens[:cut[source]], evidence=offer.evidence[:cut[source]])
+                      for source, offer in offers.items()}
         offers = {source: offer for source, offer in offers.items() if offer.tokens}
         option = self.plan(offers, k)
         self._last = option
@@ -365,7 +369,7 @@ class AutoDrafter(Drafter):
             lag = self._draft_lag()
             started = self.clock()
             proposal = self.model_drafter.propose(context, option.length, sampling, rng, prefix,
-                                                  self._early_stop(option))
+                                                  self._early_stop(option), guide=guide)
             self._observe_draft_seconds(self.clock() - started,
                                         self._draft_seconds(lag, len(prefix), self.draft_forwards))
             return Proposal(proposal.draft_tokens, proposal.draft_probs, option.source)

@@ -6,12 +6,15 @@ committed token, which the target has not evaluated yet.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
 from specdec.drafters.history import TenantHistory
 from specdec.types import Proposal, SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.grammar.constraint import Constraint
 
 
 class Drafter(ABC):
@@ -30,8 +33,11 @@ class Drafter(ABC):
         drafter that prices its proposals prices them at what they add to that forward."""
 
     @abstractmethod
-    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
-        """Propose up to k tokens to follow context (fewer, or none, when unsure)."""
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator,
+                guide: Optional["Constraint"] = None) -> Proposal:
+        """Propose up to k tokens to follow context (fewer, or none, when unsure). `guide`: the
+        request's grammar; a drafter that draws token by token draws only what it allows (the
+        generation cuts any proposal at the first token it forbids)."""
 
     def observe(self, proposal: Proposal, num_accepted: int, verify_seconds: Optional[float]) -> None:
         """Learn from a round's outcome (and its target forward's time, when it was timed alone)."""
@@ -42,5 +48,5 @@ class NoDrafter(Drafter):
 
     name = "off"
 
-    def propose(self, context, k, sampling, rng) -> Proposal:
+    def propose(self, context, k, sampling, rng, guide=None) -> Proposal:
         return Proposal(())

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -11,6 +11,9 @@ from specdec.drafters.history import TenantHistory
 from specdec.engine.sequence import CachedSequence
 from specdec.sampling.probs import max_probability, one_hot, sample, token_distribution
 from specdec.types import Proposal, SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.grammar.constraint import Constraint
 
 
 class Extent(enum.Enum):
@@ -56,9 +59,12 @@ class ModelDrafter(Drafter):
         self.sequence.prefill(list(prompt[:-1]))
 
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator,
-                prefix: Sequence[int] = (), keep_drafting: Optional[KeepDrafting] = None) -> Proposal:
+                prefix: Sequence[int] = (), keep_drafting: Optional[KeepDrafting] = None,
+                guide: Optional["Constraint"] = None) -> Proposal:
         source = "hybrid" if prefix else "draft"
         prefix = tuple(int(t) for t in prefix[:k])
+        if guide is not None:
+            prefix = prefix[:guide.admissible(prefix)]
         if k <= 0:
             return Proposal(())
         context = list(context)
@@ -73,6 +79,11 @@ class ModelDrafter(Drafter):
         tokens: list[int] = list(prefix)
         probs: list[np.ndarray] = [] if sampling.greedy else [one_hot(t, logits.shape[-1]) for t in prefix]
         while len(tokens) < k:
+            if guide is not None:  # q is then the masked distribution the token is drawn from
+                allowed = guide.allowed_after(tokens)
+                if allowed.sum() <= 1:  # nothing or a forced token: the generation proposes those itself
+                    break
+                logits = np.where(allowed, logits, np.float32(-np.inf))
             dist = None if sampling.greedy else token_distribution(logits, sampling)
             extent = Extent.MORE
             if keep_drafting is not None:
@@ -86,7 +97,7 @@ class ModelDrafter(Drafter):
             tokens.append(token)
             if dist is not None:
                 probs.append(dist)
-            if extent is Extent.LAST:
+            if extent is Extent.LAST or (guide is not None and guide.is_end(token)):
                 break
             if len(tokens) < k:
                 logits = self.sequence.extend([token])[-1]

@@ -70,6 +70,6 @@ class NgramDrafter(Drafter):
     def begin(self, prompt, history=None) -> None:
         self.index.reset()
 
-    def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator) -> Proposal:
+    def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator, guide=None) -> Proposal:
         # A deterministic proposal: the acceptance rule treats it as a one-hot draft distribution.
         return Proposal(self.index.continuation(context, k), None, "ngram")

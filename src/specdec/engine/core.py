@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 from specdec.engine.decoder import Generation
-from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent
+from specdec.sampling.logprobs import token_logprobs
+from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent, TokenLogprob
 
 if TYPE_CHECKING:
     from specdec.engine.engine import Engine
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("specdec.engine")
 
 DEFAULT_PREFILL_BUDGET = 512  # prompt tokens per step, for every prompt being processed together
+# Prompt tokens per step scored with logits (echo): they go through decode-sized forwards, far
+# slower per token than prompt processing, so fewer per step keep the other streams moving.
+SCORING_BUDGET = 64
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,8 @@ class Started:
 
     prompt_tokens: int
     cached_prompt_tokens: int
+    # With GenerationRequest.prompt_logprobs: the entries of prompt tokens 1.. (the first has none)
+    prompt_logprobs: Optional[list[TokenLogprob]] = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,8 @@ class _Active:
     added_at: float
     generation: Optional[Generation] = None  # None until admitted
     started: bool = False
+    prompt_logprobs: Optional[list[TokenLogprob]] = None  # scored so far; None: not asked for
+    scoring: bool = False  # the prompt's scoring pass is under way (see _score_chunk)
 
 
 class EngineCore:
@@ -179,7 +187,8 @@ class EngineCore:
     def _may_reuse(self, slot: int, request: GenerationRequest) -> bool:
         """Whether the request may start from what the slot's cache holds: its own tenant's text,
         and it did not ask for its whole prompt to be processed."""
-        return self._slot_tenant[slot] == request.tenant and request.cache_prompt
+        # A request scoring its prompt needs every prompt row's logits: nothing of the cache serves it.
+        return self._slot_tenant[slot] == request.tenant and request.cache_prompt and request.prompt_logprobs is None
 
     def _reusable(self, slot: int, request: GenerationRequest) -> int:
         if not self._may_reuse(slot, request):
@@ -197,6 +206,8 @@ class EngineCore:
             if slot.draft is not None:
                 slot.draft.clear()
         self._slot_tenant[active.slot] = active.request.tenant
+        if active.request.prompt_logprobs is not None:
+            active.prompt_logprobs, active.scoring = [], True
 
     def _prefill(self, items: list, budget: int) -> None:
         for handle, active in list(self._active.items()):
@@ -208,11 +219,30 @@ class EngineCore:
             if not self._failed(items, handle) and self._prompt_done(active):
                 items.extend((handle, item) for item in self._guarded(items, handle, self._start, active) or ())
 
+    def _score_chunk(self, active: _Active, budget: int) -> int:
+        """Up to `budget` more prompt tokens evaluated with logits, for the prompt's log-probabilities.
+        Once all are, the cache is emptied and the prompt processed as any other request's, so the
+        text generated is what it would be without them (logits-returning forwards fill the cache
+        with values of their own on an exact backend)."""
+        prompt = active.request.prompt_token_ids
+        target = self.engine.slots[active.slot].target
+        done = len(target.tokens)
+        end = min(len(prompt) - 1, done + min(budget, SCORING_BUDGET))
+        if end > done:  # row j gives the distribution of prompt token j + 1
+            rows = target.extend(prompt[done:end])
+            active.prompt_logprobs += token_logprobs(rows, prompt[done + 1:end + 1], active.request.prompt_logprobs)
+        if end >= len(prompt) - 1:
+            target.clear()
+            active.scoring = False
+        return end - done
+
     def _prefill_chunk(self, active: _Active, budget: int) -> int:
         """Up to `budget` more prompt tokens of this request, in whole aligned chunks but the last.
 
         Example: a 300-token prompt, 0 cached, budget 128, alignment 64: tokens [0, 128) now, and
         [128, 256), [256, 299) in the next steps (the last chunk ends with the prompt)."""
+        if active.scoring:
+            return self._score_chunk(active, budget)
         prefix = active.request.prompt_token_ids[:-1]
         slot = self.engine.slots[active.slot]
         done = len(slot.target.tokens)
@@ -225,7 +255,8 @@ class EngineCore:
         return end - done
 
     def _prompt_done(self, active: _Active) -> bool:
-        return len(self.engine.slots[active.slot].target.tokens) >= len(active.request.prompt_token_ids) - 1
+        done = len(self.engine.slots[active.slot].target.tokens)
+        return not active.scoring and done >= len(active.request.prompt_token_ids) - 1
 
     def _start(self, active: _Active) -> list[Item]:
         generation = active.generation
@@ -234,7 +265,8 @@ class EngineCore:
         generation.drafter.share_round(len(self._active))
         generation.start(started_at=active.added_at)
         active.started = True
-        items: list[Item] = [Started(len(active.request.prompt_token_ids), generation.cached_prompt_tokens)]
+        items: list[Item] = [Started(len(active.request.prompt_token_ids), generation.cached_prompt_tokens,
+                                     active.prompt_logprobs)]
         if generation.finished:  # nothing to generate (max_tokens 0): cancel() returns its final event
             items.append(generation.cancel())
         return items

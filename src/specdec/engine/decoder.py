@@ -17,12 +17,15 @@ from specdec.drafters.history import TenantHistory
 from specdec.engine.sequence import CachedSequence
 from specdec.engine.stats import GenerationStats
 from specdec.engine.stopping import TextAssembler
-from specdec.sampling.probs import position_uniform, sample_with, token_distribution
+from specdec.grammar.constraint import Constraint
+from specdec.sampling.logprobs import token_logprobs
+from specdec.sampling.probs import one_hot, position_uniform, sample_with, token_distribution
 from specdec.sampling.verify import verify, verify_deterministic, verify_greedy
-from specdec.types import GenerationRequest, Proposal, SpecdecError, StreamEvent
+from specdec.types import GenerationRequest, Proposal, RoundOutcome, SpecdecError, StreamEvent
 
 
 TARGET_SOURCE = "target"  # a token the target chose itself (every round's last)
+GRAMMAR_SOURCE = "grammar"  # a token the grammar forced (proposed without a drafter)
 
 
 class Generation:
@@ -37,6 +40,7 @@ class Generation:
         *,
         clock: Callable[[], float] = time.perf_counter,
         history: Optional[TenantHistory] = None,
+        constraint: Optional[Constraint] = None,
     ):
         prompt = request.prompt_token_ids
         if not prompt:
@@ -48,6 +52,8 @@ class Generation:
         self.drafter = drafter
         self.clock = clock
         self.history = history  # the tenant's cross-request history: drafts from it, learns our text
+        # The request's grammar: every verified row is masked by the state its proposal reached.
+        self.constraint = constraint
         # Sampling noise: keyed by (seed, position) for the target's own tokens, so off, n-gram
         # drafting and auto's n-gram rounds sample the same text for one seed; a sequence for the
         # draft model's proposals and their acceptance (Leviathan's rule with its q).
@@ -61,7 +67,9 @@ class Generation:
         self.stats = GenerationStats(method=request.spec.method, num_draft_tokens=k)
         self._k = k
         self._proposal: Optional[Proposal] = None
+        self._drafted = 0  # of the proposal's tokens, the drafter's (the rest were forced by the grammar)
         self._sources: list[str] = []  # of the tokens the next event carries
+        self._logprobs = None  # of the tokens the next event carries, when the request asked
         self._started_at = 0.0
         self.cached_prompt_tokens = 0  # of the prompt, found in the slot's cache when it was admitted
 
@@ -87,14 +95,19 @@ class Generation:
         """Ask the drafter for a proposal; returns the tokens the target must evaluate.
         `streams`: how many generations' rows the verification forward holds, this one's included."""
         self.drafter.share_round(streams)
-        k = min(self._k, self.target.backend.n_ctx - len(self.context))
+        room = self.target.backend.n_ctx - len(self.context)
         if self.request.max_tokens is not None:
-            k = min(k, self.request.max_tokens - len(self.token_ids) - 1)
+            room = min(room, self.request.max_tokens - len(self.token_ids) - 1)
+        k = min(self._k, room)
         t0 = self.clock()
         if k > 0:
-            self._proposal = self.drafter.propose(self.context, k, self.request.sampling, self.rng)
+            self._proposal = self.drafter.propose(self.context, k, self.request.sampling, self.rng,
+                                                  guide=self.constraint)
         else:
             self._proposal = Proposal(())
+        self._drafted = len(self._proposal.draft_tokens)
+        if self.constraint is not None:
+            self._proposal = self._constrain(self._proposal, room)
         self.stats.draft_seconds += self.clock() - t0
         return [self.context[-1], *self._proposal.draft_tokens]
 
@@ -104,24 +117,27 @@ class Generation:
         cost model of `auto`)."""
         proposal = self._proposal
         draft_tokens = proposal.draft_tokens
-        k = len(draft_tokens)
         sampling = self.request.sampling
+        row = self._target_row(target_logits, draft_tokens)
         if sampling.greedy:
-            verdict = verify_greedy(draft_tokens, np.argmax(target_logits, axis=-1))
+            verdict = verify_greedy(draft_tokens, _LazyArgmax(row))
         elif proposal.draft_probs is None:  # a deterministic proposal (or none): see sampling/verify.py
             first = len(self.context)  # the sequence position of target_logits[0]'s token
             verdict = verify_deterministic(draft_tokens, lambda i: sample_with(
-                token_distribution(target_logits[i], sampling), position_uniform(self.seed, first + i)))
+                token_distribution(row(i), sampling), position_uniform(self.seed, first + i)))
         else:
             verdict = verify(draft_tokens, proposal.draft_probs,
-                             lambda i: token_distribution(target_logits[i], sampling), self.rng)
-        self.stats.record_round(k, verdict.num_accepted, proposal.source)
-        self.drafter.observe(proposal, verdict.num_accepted, alone_seconds)
+                             lambda i: token_distribution(row(i), sampling), self.rng)
+        self._record(proposal, verdict.num_accepted, alone_seconds)
+        if self.constraint is not None:
+            self.constraint.commit([*verdict.accepted_tokens, verdict.next_token])
         # Keep pending + the accepted drafts; the next token becomes the new pending one.
         self.target.truncate(len(self.context) + verdict.num_accepted)
         new_tokens: list[int] = []
         # Who produced each token: the proposal's source for accepted ones, the target for its own.
-        sources = [proposal.source or self.request.spec.method] * verdict.num_accepted + [TARGET_SOURCE]
+        drafter_source = proposal.source or self.request.spec.method
+        sources = [drafter_source if i < self._drafted else GRAMMAR_SOURCE
+                   for i in range(verdict.num_accepted)] + [TARGET_SOURCE]
         for token in (*verdict.accepted_tokens, verdict.next_token):
             if not self._emit(token):
                 break
@@ -129,18 +145,67 @@ class Generation:
             if self.finished:  # a stop string or the token limit ended it mid-run
                 break
         self._sources = sources[:len(new_tokens)]
+        if self.request.logprobs is not None:  # raw row i: the target's distribution of committed token i
+            self._logprobs = token_logprobs(target_logits, new_tokens, self.request.logprobs)
+        if self.constraint is not None and not self.finished and self.constraint.finished:
+            self._finish("stop")  # the grammar is complete: the end token it now forces ends the text
         if self.stats.ttft_seconds is None:
             self.stats.ttft_seconds = self.clock() - self._started_at
-        return self._event(new_tokens)
+        event = self._event(new_tokens)
+        # What this round proposed and kept, for the stream's `speculative` extension (server/speculative.py).
+        event.round = RoundOutcome(drafter_source if draft_tokens else "", len(draft_tokens), verdict.num_accepted,
+                                   tuple(draft_tokens[verdict.num_accepted:]))
+        return event
 
     def cancel(self) -> StreamEvent:
         self._finish("cancelled")
         return self._event([])
 
     # -- helpers -----------------------------------------------------------------------------
+    def _constrain(self, proposal: Proposal, room: int) -> Proposal:
+        """The proposal cut at the first token the grammar forbids, then extended by the tokens it
+        forces (not for `off`, plain decoding's baseline): their rows are verified like any draft's."""
+        constraint = self.constraint
+        drafted = constraint.admissible(proposal.draft_tokens)
+        tokens = proposal.draft_tokens[:drafted]
+        probs = None if proposal.draft_probs is None else proposal.draft_probs[:drafted]
+        self._drafted = drafted
+        forced = [] if self.request.spec.method == "off" else constraint.forced_after(tokens, room - drafted)
+        if forced and probs is not None:  # a forced token's q is one-hot, as any deterministic proposal's
+            probs = np.concatenate([probs, np.stack([one_hot(t, probs.shape[-1]) for t in forced])])
+        source = proposal.source if drafted else (GRAMMAR_SOURCE if forced else proposal.source)
+        return Proposal((*tokens, *forced), probs if drafted else None, source)
+
+    def _target_row(self, target_logits: np.ndarray, draft_tokens) -> Callable[[int], np.ndarray]:
+        """Row i of the target's logits, masked by the grammar state the proposal reached there."""
+        if self.constraint is None:
+            return target_logits.__getitem__
+        constraint = self.constraint
+
+        def masked(i: int) -> np.ndarray:
+            allowed = constraint.allowed_after(draft_tokens[:i])
+            if not allowed.any():
+                raise SpecdecError("the grammar allows no token at this point of the output.")
+            return np.where(allowed, target_logits[i], np.float32(-np.inf))
+        return masked
+
+    def _record(self, proposal: Proposal, accepted: int, alone_seconds: Optional[float]) -> None:
+        """Statistics and the drafter's lesson: the drafter's own tokens, the grammar's apart."""
+        drafted = self._drafted
+        forced = len(proposal.draft_tokens) - drafted
+        mine = proposal if not forced else Proposal(
+            proposal.draft_tokens[:drafted],
+            None if proposal.draft_probs is None else proposal.draft_probs[:drafted], proposal.source)
+        self.stats.record_round(drafted, min(accepted, drafted), mine.source if drafted else "")
+        if forced:
+            self.stats.record_forced(forced, max(0, accepted - drafted))
+        # A forward that also verified forced rows says nothing of the drafter's row count.
+        self.drafter.observe(mine, min(accepted, drafted), None if forced else alone_seconds)
+
     def _emit(self, token: int) -> bool:
         """Commit one token; returns False (and finishes) if it ends the generation unseen."""
-        if token in self.target.backend.eog_token_ids and not self.request.ignore_eos:
+        if ((token in self.target.backend.eog_token_ids or token in self.request.stop_token_ids)
+                and not self.request.ignore_eos):
             self._finish("stop")
             return False
         self.context.append(token)
@@ -167,7 +232,18 @@ class Generation:
     def _event(self, new_tokens: list[int]) -> StreamEvent:
         delta = self.assembler.take_delta(final=self.finished)
         sources, self._sources = self._sources[:len(new_tokens)], []
+        logprobs = (self._logprobs or []) if self.request.logprobs is not None else None
+        self._logprobs = None
         if self.finished:
-            return StreamEvent(delta, new_tokens, self.finish_reason, self.stats.as_dict(), sources)
-        return StreamEvent(delta, new_tokens, token_sources=sources)
+            return StreamEvent(delta, new_tokens, self.finish_reason, self.stats.as_dict(), sources, logprobs)
+        return StreamEvent(delta, new_tokens, token_sources=sources, logprobs=logprobs)
 
+
+class _LazyArgmax:
+    """The argmax of row i, computed when verification reaches it (a masked row costs a copy)."""
+
+    def __init__(self, row: Callable[[int], np.ndarray]):
+        self._row = row
+
+    def __getitem__(self, i: int) -> int:
+        return int(np.argmax(self._row(i)))

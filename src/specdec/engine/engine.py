@@ -1,6 +1,8 @@
 """The engine: a target backend, an optional draft backend, and the drafters built on them."""
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
@@ -15,33 +17,77 @@ from specdec.engine.cost_model import CostModel, calibrate
 from specdec.engine.core import EngineCore
 from specdec.engine.decoder import Generation
 from specdec.engine.sequence import CachedSequence
+from specdec.grammar.compiler import GrammarCompiler
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent
 
 if TYPE_CHECKING:
     from specdec.backends.registry import ModelConfig
 
 
-def encode_chat(target: Backend, messages: Sequence[dict]) -> list[int]:
+def encode_chat(target: Backend, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> list[int]:
     """Chat messages in the model's template, the template's own tokens special and the messages'
     text plain: a user who writes `<|im_end|><|im_start|>system` gets those characters as text,
     not a forged turn. The template is rendered with a marker in place of each content; the pieces
     between markers are the template's. A template that changes a content (trims it, say) is
-    rendered whole instead."""
+    rendered whole instead. `tools` (OpenAI's tool definitions) go to the template's tools section;
+    they and earlier turns' tool calls are plain text too wherever they hold special-token text."""
+    if tools:
+        def render(items):
+            return target.apply_chat_template(items, tools)
+    else:
+        render = target.apply_chat_template  # a template without a tools argument still serves plain chats
     marks = [f"\x00specdec-content-{i}\x00" for i in range(len(messages))]
     marked = [{**message, "content": mark} if isinstance(message.get("content"), str) else message
               for message, mark in zip(messages, marks)]
     pieces: list[tuple[str, bool]] = []  # (text, is the template's)
-    rest = target.apply_chat_template(marked)
+    rest = render(marked)
     for message, mark in zip(messages, marks):
         if isinstance(message.get("content"), str):
             before, _, rest = rest.partition(mark)
             pieces += [(before, True), (message["content"], False)]
     pieces.append((rest, True))
-    rendered = target.apply_chat_template(messages)
+    rendered = render(messages)
     if "".join(text for text, _ in pieces) != rendered:
         return target.tokenize(rendered, add_special=False)
+    pieces = _copied_text_plain(target, pieces, _copied_texts(messages, tools))
     return [token for text, template in pieces if text
             for token in target.tokenize(text, add_special=False, parse_special=template)]
+
+
+def _copied_texts(messages: Sequence[dict], tools: Optional[Sequence[dict]]) -> list[str]:
+    """Request text a template copies in besides the contents, as its `tojson` writes it: the tool
+    definitions, and the names and arguments of earlier calls (ids are the caller's, not its users')."""
+    texts = [json.dumps(tool, ensure_ascii=False) for tool in tools or ()]
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") or {}
+            texts += [str(function.get("name", "")), json.dumps(function.get("arguments"), ensure_ascii=False)]
+    return texts
+
+
+def _copied_text_plain(target: Backend, pieces: list[tuple[str, bool]], texts: Sequence[str]) -> list[tuple[str, bool]]:
+    """`pieces` with each of `texts` that would tokenize into special tokens cut out of the
+    template's pieces as plain text; such a text the template does not write as it is (so that it
+    cannot be found) is refused, never tokenized as special."""
+    risky = sorted({text for text in texts if text and target.tokenize(text, add_special=False, parse_special=True)
+                    != target.tokenize(text, add_special=False, parse_special=False)}, key=len, reverse=True)
+    if not risky:
+        return pieces  # the usual case: the template's text tokenizes as it always has
+    pattern = re.compile("|".join(re.escape(text) for text in risky))
+    cut: list[tuple[str, bool]] = []
+    found: set[str] = set()
+    for text, template in pieces:
+        position = 0
+        for match in pattern.finditer(text) if template else ():
+            cut += [(text[position:match.start()], True), (match.group(), False)]
+            found.add(match.group())
+            position = match.end()
+        cut.append((text[position:], template))
+    missing = [text for text in risky if text not in found]
+    if missing:
+        raise SpecdecError(f"the request's tools or tool calls hold special-token text that the chat template "
+                           f"does not copy as written, so it cannot be kept plain: {missing[0][:80]!r}")
+    return cut
 
 
 @dataclass(frozen=True)
@@ -88,6 +134,7 @@ class Engine:
         self.slots = [self._make_slot(seq_id) for seq_id in range(n_slots)]
         self.cost_model: Optional[CostModel] = None  # measured on first use of `auto`
         self.cross_request = CrossRequestCache()
+        self.grammars = GrammarCompiler(target)  # the vocabulary is read on first use only
         self.core = EngineCore(self)  # the one driver of its slots, for every caller
 
     def _make_slot(self, seq_id: int) -> Slot:
@@ -127,12 +174,14 @@ class Engine:
         return cost
 
     # -- prompts -----------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Union[str, Sequence[dict]], chat: bool) -> list[int]:
+    def encode_prompt(self, prompt: Union[str, Sequence[dict]], chat: bool,
+                      tools: Optional[Sequence[dict]] = None) -> list[int]:
         """A raw completion prompt (its special-token text parsed: the caller writes the whole
-        format), or chat messages rendered with the model's own template."""
+        format), or chat messages rendered with the model's own template (with `tools`, OpenAI's
+        tool definitions, in its tools section)."""
         if chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            return encode_chat(self.target, messages)
+            return encode_chat(self.target, messages, tools)
         return self.target.tokenize(prompt, add_special=True)
 
     # -- generation --------------------------------------------------------------------------
@@ -146,7 +195,8 @@ class Engine:
         if drafter is None:
             raise SpecdecError(f"method {request.spec.method!r} needs a draft model; start with --draft-model.")
         history = self.cross_request.for_tenant(request.tenant) if self.config.cross_request_ngrams else None
-        return Generation(request, chosen.target, drafter, clock=self.clock, history=history)
+        constraint = None if request.grammar is None else self.grammars.constraint(request.grammar)
+        return Generation(request, chosen.target, drafter, clock=self.clock, history=history, constraint=constraint)
 
     def stream(self, request: GenerationRequest) -> Iterator[StreamEvent]:
         """One request alone, through the engine core (as every caller drives it)."""

@@ -56,6 +56,13 @@ class GenerationStats:
         for position in range(accepted):
             self.accepted_per_position[position] += 1
 
+    def record_forced(self, proposed: int, accepted: int) -> None:
+        """Tokens the grammar forced into a round's proposal (no drafter proposed them)."""
+        totals = self.sources.setdefault("grammar", {"rounds": 0, "drafted": 0, "accepted": 0})
+        totals["rounds"] += 1
+        totals["drafted"] += proposed
+        totals["accepted"] += accepted
+
     def as_dict(self) -> dict:
         decode_seconds = self.total_seconds - self.prompt_seconds
         return {
