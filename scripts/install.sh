@@ -170,3 +170,11 @@ fi
 # Already installed, pip does nothing.
 .venv/bin/python -m pip install -q "torch==$TORCH_VERSION"
 .venv/bin/python -m pip install -q -e ".[test]"
+# The playground's browser tests drive Debian's headless Chromium (tests/unit/test_playground_browser.py):
+# installed where this runs as root with apt; elsewhere those tests skip and say why.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "specdec: installing Chromium for the playground's browser tests" >&2
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; }; } ||
+    echo "specdec: could not install Chromium; the browser tests will skip" >&2
+fi

@@ -79,6 +79,15 @@ def test_the_proxy_answers_a_missing_key_itself(endpoint):
     assert completion(endpoint, ALICE_1).status_code == 200
 
 
+def test_the_playground_opens_through_the_proxy_and_its_data_needs_a_key(endpoint):
+    page = httpx.get(endpoint + "/", timeout=30)
+    assert page.status_code == 200 and "/static/playground.js" in page.text
+    assert httpx.get(endpoint + "/static/playground.js", timeout=30).status_code == 200
+    assert httpx.get(endpoint + "/v1/specdec/costs", timeout=30).status_code == 401
+    costs = httpx.get(endpoint + "/v1/specdec/costs", headers={"Authorization": f"Bearer {BOB}"}, timeout=30)
+    assert costs.status_code == 200 and costs.json()["calibrated"]
+
+
 def test_a_body_over_the_limit_is_a_413_from_the_proxy(endpoint):
     big = json.dumps({"model": MODEL, "prompt": "x" * LIMIT, "max_tokens": 1}).encode()
     response = httpx.post(endpoint + "/v1/completions", headers={"Authorization": f"Bearer {BOB}"}, content=big,

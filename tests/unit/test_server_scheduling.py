@@ -254,10 +254,10 @@ def test_a_failing_generation_fails_alone_and_the_server_goes_on():
         drafter = slot.drafters["ngram"]
         original = drafter.propose
 
-        def propose(context, k, sampling, rng, original=original):
+        def propose(context, k, sampling, rng, guide=None, original=original):
             if list(context[:3]) == poison:
                 raise RuntimeError("drafter bug")
-            return original(context, k, sampling, rng)
+            return original(context, k, sampling, rng, guide)
 
         drafter.propose = propose
     with serve_in_thread(app) as (url, _):

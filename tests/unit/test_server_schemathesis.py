@@ -4,9 +4,9 @@ document (server-sent events included, event by event: openapi.py), content type
 requests refused, schema-valid ones accepted. On top of them:
   - whatever it sends, the server never answers 5xx, and every error is OpenAI-shaped;
   - a schema-valid request succeeds unless this model's limits refuse it (context length,
-    vocabulary), which no schema can say;
-  - a stream ends in exactly one `[DONE]`, right after one finish_reason chunk (and the usage
-    chunk) or one error event; its chunks share one id.
+    vocabulary, no FIM tokens for a suffix), which no schema can say;
+  - a stream ends in exactly one `[DONE]`, right after one finish_reason chunk per choice (and
+    the usage chunk) or one error event; its chunks share one id.
 
 Over 1,000 cases per run (`test_the_fuzzer_ran_enough_cases`). Point it at another server, e.g.
 `specdec serve` on the real pair, with SPECDEC_FUZZ_URL=http://127.0.0.1:8000 (and
@@ -30,7 +30,11 @@ from specdec.types import SpecConfig
 POST_EXAMPLES = 600  # per completion route
 GET_EXAMPLES = 60  # per other operation
 MIN_CASES = 1000
-MODEL_LIMIT_CODES = {"context_length_exceeded", "invalid_token_id"}
+# fim_unsupported: a `suffix` on a model without fill-in-the-middle tokens (the fake has none).
+# invalid_tools: tools whose names clash (two alike, a tool_choice naming none of them) or whose
+# parameters schema the grammar library cannot hold the arguments to, which no schema can say either.
+MODEL_LIMIT_CODES = {"context_length_exceeded", "invalid_token_id", "fim_unsupported", "invalid_tools",
+                     "unsupported_schema"}  # a JSON Schema the grammar library cannot enforce
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 CASES = []  # (method, status, streamed) of every case sent
@@ -109,8 +113,10 @@ def streams_end_in_done(ctx, response, case):
     if errors:
         assert errors == [len(payloads) - 1], "an error event must be the last event before [DONE]"
         payloads = payloads[:-1]
-    finals = [p for p in payloads if p["choices"] and p["choices"][0]["finish_reason"] is not None]
-    assert len(finals) == (0 if errors else 1), f"{len(finals)} finish_reason chunks"
+    # One finish_reason chunk per choice (`n` of them), unless an error event ended the stream.
+    finals = sorted(choice["index"] for p in payloads for choice in p["choices"] if choice["finish_reason"] is not None)
+    n = int((case.body.get("n") if isinstance(case.body, dict) else None) or 1)  # 3.0 is a valid n
+    assert finals == ([] if errors else list(range(n))), f"finish_reason chunks for choices {finals}"
     assert len({p["id"] for p in payloads}) <= 1, "the chunks of one stream carry different ids"
     return None
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Awaitable, Callable, Optional
@@ -18,11 +19,13 @@ from specdec.server.hosts import HostAllowListMiddleware
 from specdec.server.limits import BodyLimitMiddleware
 from specdec.server.metrics import HTTPMetricsMiddleware, ServerMetrics
 from specdec.server.openapi import openapi_document
+from specdec.server.playground import PAGE_PATHS
+from specdec.server.playground import router as playground_router
 from specdec.server.routes import STREAM_CHUNKS, ServerState, router
 from specdec.server.scheduler import Scheduler
 from specdec.server.tenants import APIKeys, AuthMiddleware
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health"}) | PAGE_PATHS  # the playground's files: a browser opens them without a key
 logger = logging.getLogger("specdec.server")
 
 
@@ -54,6 +57,9 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None,
             cost = await anyio.to_thread.run_sync(engine.calibrate)
             logger.info("calibrated for auto: %s", cost.summary())
         scheduler.start()
+        # The grammar library's view of the vocabulary (about a second), read before a first
+        # structured request would wait for it; serving does not wait.
+        threading.Thread(target=lambda: engine.grammars.tokenizer, name="specdec-grammar-vocab", daemon=True).start()
         try:
             yield
         finally:
@@ -70,6 +76,7 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None,
     scheduler.engine_listeners.append(lambda new: setattr(app.state.specdec, "engine", new))
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(playground_router)
     # Outermost last: every request is counted; its Host is checked first (DNS rebinding), then its
     # key (a 401 before the body is read), then its body's size and pace.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout)

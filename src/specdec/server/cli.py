@@ -209,8 +209,8 @@ def run(args: argparse.Namespace) -> int:
         scheduler = app.state.specdec.scheduler
         server = make_server(app, args.host, args.port, args.log_level)
         logging.getLogger("specdec.server").info(
-            "serving %r on http://%s:%d (method %s, k=%d, %d slots)", config.served_model_name, args.host,
-            args.port, config.spec.method, config.spec.num_draft_tokens, args.parallel)
+            "serving %r on http://%s:%d (method %s, k=%d, %d slots; the playground at /)", config.served_model_name,
+            args.host, args.port, config.spec.method, config.spec.num_draft_tokens, args.parallel)
         server.run()
         return 0
     finally:

@@ -1,14 +1,18 @@
 """From wire requests to engine requests: done once, here, so the engine never sees pydantic."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Optional, Union
 
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.errors import APIError, bad_request
+from specdec.server.fim import encode_fim, fim_stop_tokens
 from specdec.server.limits import prompt_byte_limit
 from specdec.server.protocol import ChatCompletionRequest, CompletionRequest, SpeculativeDecoding
-from specdec.types import GenerationRequest, SamplingParams, SpecConfig, SpecdecError
+from specdec.server.tools import check_tools, marker_tokens, template_message, tool_grammar
+from specdec.types import GenerationRequest, GrammarSpec, SamplingParams, SpecConfig, SpecdecError
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send temperature 0 for greedy decoding
 
@@ -33,7 +37,11 @@ def check_prompt_size(engine: Engine, config: ServerConfig, body: Union[ChatComp
         if len(messages) >= n_ctx:
             raise bad_request(f"messages: {len(messages)} messages cannot fit a context of {n_ctx} tokens.",
                               param, "context_length_exceeded")
+        setup = check_tools(body)  # tools, tool_choice and tool messages: a 400 before any work
         size = sum(_utf8_size(m.text()) + _utf8_size(m.name or "") for m in messages)
+        size += sum(_utf8_size(call.function.name + call.function.arguments)
+                    for m in messages for call in m.tool_calls or ())
+        size += _utf8_size(json.dumps(setup.tools, ensure_ascii=False)) if setup.active else 0
     else:
         param, prompt = "prompt", body.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], int):
@@ -41,7 +49,7 @@ def check_prompt_size(engine: Engine, config: ServerConfig, body: Union[ChatComp
                 raise bad_request(f"prompt: the prompt has {len(prompt)} tokens but the context holds only {n_ctx}.",
                                   param, "context_length_exceeded")
             return
-        size = _utf8_size(prompt[0] if isinstance(prompt, list) else prompt)
+        size = _utf8_size(prompt[0] if isinstance(prompt, list) else prompt) + _utf8_size(body.suffix or "")
     limit = prompt_byte_limit(n_ctx, config.max_prompt_bytes)
     if size > limit:
         raise bad_request(f"{param}: the prompt is {size} bytes of text; this server takes at most {limit} "
@@ -52,25 +60,30 @@ def encode_prompt(engine: Engine, body: Union[ChatCompletionRequest, CompletionR
     if isinstance(body, ChatCompletionRequest):
         param = "messages"
         messages = []
+        setup = check_tools(body)
         for message in body.messages:
             role = "system" if message.role == "developer" else message.role
-            rendered = {"role": role, "content": message.text()}
+            rendered = template_message(message, role, message.text())
             if message.name is not None:
                 rendered["name"] = message.name  # the model's chat template decides what it means
             messages.append(rendered)
-        source, chat = messages, True
+        source, chat, tools = messages, True, setup.template_tools
     else:
         param = "prompt"
         prompt = body.prompt
+        if body.suffix and body.echo:
+            raise bad_request("suffix: echo is not supported with a suffix.", "suffix")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             bad = [t for t in prompt if t >= engine.target.vocab_size]
             if bad:
                 raise bad_request(f"prompt: token id {bad[0]} is outside the vocabulary of {engine.target.vocab_size}.",
                                   "prompt", "invalid_token_id")
-            return list(prompt)
-        source, chat = (prompt[0] if isinstance(prompt, list) else prompt), False
+            return encode_fim(engine.target, prompt, body.suffix) if body.suffix else list(prompt)
+        source, chat, tools = (prompt[0] if isinstance(prompt, list) else prompt), False, None
+        if body.suffix:  # fill-in-the-middle: the prompt and the suffix in the model's FIM tokens
+            return encode_fim(engine.target, source, body.suffix)
     try:
-        token_ids = engine.encode_prompt(source, chat=chat)
+        token_ids = engine.encode_prompt(source, chat=chat, tools=tools)
     except SpecdecError as exc:
         raise bad_request(f"{param}: {exc}", param) from None
     except UnicodeError:
@@ -120,6 +133,12 @@ def generation_request(engine: Engine, config: ServerConfig, body: Union[ChatCom
         seed=None if body.seed is None else body.seed % 2**64,
     )
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    if isinstance(body, ChatCompletionRequest):
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prompt_logprobs = None
+    else:
+        logprobs = body.logprobs
+        prompt_logprobs = body.logprobs if body.echo else None  # echo with logprobs: the prompt's too
     request = GenerationRequest(
         prompt_token_ids=tuple(prompt_ids),
         max_tokens=max_tokens,
@@ -129,6 +148,12 @@ def generation_request(engine: Engine, config: ServerConfig, body: Union[ChatCom
         ignore_eos=bool(body.ignore_eos),
         tenant=tenant,
         cache_prompt=body.cache_prompt is not False,
+        # A FIM answer also ends at the FIM format's end tokens (<|fim_pad|>, <|file_sep|>, ...).
+        stop_token_ids=(fim_stop_tokens(engine.target) if isinstance(body, CompletionRequest) and body.suffix
+                        else frozenset()),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        grammar=request_grammar(engine, body),
     )
     try:
         request.sampling.validate()
@@ -136,3 +161,51 @@ def generation_request(engine: Engine, config: ServerConfig, body: Union[ChatCom
     except SpecdecError as exc:
         raise bad_request(str(exc)) from None
     return request
+
+
+def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """One generation request per choice: the request's seed + i for choice i (so a seeded request
+    is reproducible and its choices differ), or each its own random seed without one."""
+    seed = request.sampling.seed
+    return [request if i == 0 else dataclasses.replace(request, sampling=dataclasses.replace(
+        request.sampling, seed=None if seed is None else (seed + i) % 2**64)) for i in range(n)]
+
+
+def request_grammar(engine: Engine, body: Union[ChatCompletionRequest, CompletionRequest]) -> Optional[GrammarSpec]:
+    """The constraint on the output: the tools' calls (tools.py; with response_format, its JSON is
+    the text a call may replace), else response_format's."""
+    setup = check_tools(body) if isinstance(body, ChatCompletionRequest) else None
+    if setup is None or not setup.active:
+        return response_grammar(engine, body)
+    form = body.response_format
+    text_schema = None
+    if form is not None and form.type == "json_object":
+        text_schema = {"type": "object"}
+    elif form is not None and form.type == "json_schema":
+        schema = form.json_schema.json_schema
+        text_schema = {"type": "object"} if schema is None else schema
+    spec = tool_grammar(setup, marker_tokens(engine.target), text_schema)
+    try:
+        engine.grammars.check(spec)
+    except SpecdecError as exc:
+        raise bad_request(f"tools: {exc}", "tools") from None
+    return spec
+
+
+def response_grammar(engine: Engine, body: Union[ChatCompletionRequest, CompletionRequest]) -> Optional[GrammarSpec]:
+    """`response_format` as a grammar the engine enforces (None for text), checked now: a schema
+    the grammar library cannot enforce is a 400 naming what it refused."""
+    form = body.response_format
+    if form is None or form.type == "text":
+        return None
+    if form.type == "json_object":
+        spec, param = GrammarSpec("json_object"), "response_format"
+    else:
+        schema = form.json_schema.json_schema
+        spec = GrammarSpec("json_schema", json.dumps({"type": "object"} if schema is None else schema))
+        param = "response_format.json_schema.schema"
+    try:
+        engine.grammars.check(spec)
+    except SpecdecError as exc:
+        raise bad_request(f"{param}: {exc}", param, "unsupported_schema") from None
+    return spec

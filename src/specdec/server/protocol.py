@@ -1,9 +1,10 @@
 """Wire types: the OpenAI request and response bodies, in OpenAI's field order.
 
 Requests refuse what the engine does not do: an OpenAI field that would change the output
-(tools, logprobs, penalties, ...) is accepted only with its neutral value, and an unknown field is
+(penalties, ...) is accepted only with its neutral value, and an unknown field is
 refused, so nothing is ever silently ignored. `speculative_decoding`, `top_k`, `min_p` and
-`ignore_eos` are extensions. Conversion into engine types happens once, in convert.py.
+`ignore_eos` are extensions, as is `stream_options.speculative` (server/speculative.py).
+Conversion into engine types happens once, in convert.py.
 """
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from typing import Annotated, Any, Callable, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 
 from specdec.server.errors import register_field_names
+from specdec.server.tools import (
+    CalledFunction, FunctionChoice, FunctionDefinition, MessageToolCall, NamedToolChoice, ToolCall, ToolCallDelta,
+    ToolChoice, ToolDefinition, Tools,
+)
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 512
@@ -76,24 +81,61 @@ TextModality = _neutral(Optional[list[str]], '["text"]', lambda v: v == ["text"]
                         [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}])
 ServiceTier = _neutral(Optional[str], '"auto" or "default"', lambda v: v in ("auto", "default"),
                        [{"enum": ["auto", "default"]}])
-NoToolChoice = _neutral(Union[str, dict[str, Any], None], '"none" or "auto" (no tools)', lambda v: v in ("none", "auto"),
-                        [{"enum": ["none", "auto"]}])
 NoFunctionCall = _neutral(Union[str, dict[str, Any], None], '"none"', lambda v: v == "none", [{"const": "none"}])
 LogitBias = _neutral(Optional[dict[str, float]], "an empty object", lambda v: not v, [{"type": "object", "maxProperties": 0}])
 
 
-def _only_one(value: Optional[int]) -> Optional[int]:
-    if value is not None and value != 1:
-        raise ValueError("only n=1 is supported; send one request per completion")
-    return value
+MAX_CHOICES = 8  # n: each choice takes a slot (or a place in the queue) of its own
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat; its legacy completions stop at 5, this server at 20
+N = Annotated[Optional[integer(ge=1, le=MAX_CHOICES)],
+              Field(description=f"how many choices to generate (1 to {MAX_CHOICES}), each as a request of its own")]
+TopLogprobs = Annotated[Optional[integer(ge=0, le=MAX_TOP_LOGPROBS)],
+                        Field(description="how many most likely tokens to list at each position (needs logprobs: true)")]
+CompletionLogprobs = Annotated[Optional[integer(ge=0, le=MAX_TOP_LOGPROBS)], Field(
+    description="log-probabilities of the chosen tokens and this many most likely tokens at each position")]
 
 
-N = Annotated[Optional[Int], AfterValidator(_only_one),
-              WithJsonSchema({"anyOf": [{"const": 1}, {"type": "null"}], "description": "only 1 is supported"})]
+class StreamSpeculative(_Strict):
+    rejected: Optional[bool] = Field(None, description="also the text of each round's rejected proposal")
+
+
+class TextResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class JSONObjectResponseFormat(_Strict):
+    type: Literal["json_object"]
+
+
+MAX_SCHEMA_NAME = 64
+
+
+class JSONSchemaSpec(_Strict):
+    """OpenAI's `json_schema`: the schema is enforced token by token whether or not `strict` is set."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]+$", min_length=1, max_length=MAX_SCHEMA_NAME)]
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class JSONSchemaResponseFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[
+    Union[TextResponseFormat, JSONObjectResponseFormat, JSONSchemaResponseFormat, None],
+    Field(discriminator="type", description="text, json_object, or json_schema (enforced by constrained decoding)"),
+]
 
 
 class StreamOptions(_Strict):
     include_usage: Optional[bool] = None
+    # Extension: every chunk names who produced its tokens (docs/server.md, "Token sources").
+    speculative: Union[bool, StreamSpeculative, None] = Field(
+        None, description="specdec extension: true (or {rejected: true}) adds a `speculative` object to every chunk")
 
 
 class SpeculativeDecoding(_Strict):
@@ -133,18 +175,69 @@ class TextContentPart(_Strict):
     text: str
 
 
+def _when_role(roles: list, then: dict, otherwise: Optional[dict] = None) -> dict:
+    rule = {"if": {"properties": {"role": {"enum": roles}}}, "then": then}
+    return {**rule, "else": otherwise} if otherwise is not None else rule
+
+
+_PRESENT = {"not": {"type": "null"}}
+# Which fields a role takes, in the schema as in tools.check_tools: content (null only in an
+# assistant message with tool_calls), tool_call_id (tool messages only), tool_calls (assistant only).
+_MESSAGE_ROLES = {"allOf": [
+    _when_role(["assistant"], {"anyOf": [{"required": ["content"], "properties": {"content": _PRESENT}},
+                                         {"required": ["tool_calls"], "properties": {"tool_calls": {
+                                             "type": "array", "minItems": 1}}}]},
+               {"required": ["content"], "properties": {"content": _PRESENT, "tool_calls": {"type": "null"}}}),
+    _when_role(["tool"], {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+               {"properties": {"tool_call_id": {"type": "null"}}}),
+]}
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextContentPart]]
+    """One message; which fields a role takes (tool_call_id: tool; tool_calls and a null content:
+    assistant) is checked in tools.check_tools, with a 400 naming the field."""
+
+    model_config = ConfigDict(json_schema_extra=_MESSAGE_ROLES)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextContentPart], None] = Field(
+        None, validate_default=True, description="required, except in an assistant message with tool_calls")
     name: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_present(cls, value, info):
+        # absent content: pydantic's own "Field required" for every role but assistant's
+        if value is None and info.data.get("role") not in (None, "assistant"):
+            raise ValueError("required (only an assistant message with tool_calls may leave it null)")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content
+        return self.content or ""
+
+
+# tool_choice "required" or naming a function only with tools, in the schema as in tools.check_tools.
+_TOOL_CHOICE_NEEDS_TOOLS = {
+    "if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": ["none", "auto", None]}}}},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+}
+
+
+# top_logprobs > 0 only with `logprobs: true`, in the schema as in the validator below.
+_TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+}
 
 
 class ChatCompletionRequest(_Request):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS,
+                                                           _TOOL_CHOICE_NEEDS_TOOLS]})
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     model: str
     audio: NullOnly = None
@@ -152,7 +245,7 @@ class ChatCompletionRequest(_Request):
     function_call: NoFunctionCall = None
     functions: EmptyList = None
     logit_bias: LogitBias = None
-    logprobs: FalseOnly = None
+    logprobs: Optional[bool] = None
     max_completion_tokens: MaxTokens = None
     max_tokens: MaxTokens = None
     metadata: Optional[dict[str, str]] = None
@@ -162,7 +255,7 @@ class ChatCompletionRequest(_Request):
     prediction: NullOnly = None
     presence_penalty: Penalty = None
     reasoning_effort: NullOnly = None
-    response_format: TextFormat = None
+    response_format: ResponseFormat = None
     seed: Seed = None
     service_tier: ServiceTier = None
     stop: Stop = None
@@ -170,9 +263,9 @@ class ChatCompletionRequest(_Request):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     temperature: Temperature = None
-    tool_choice: NoToolChoice = None
-    tools: EmptyList = None
-    top_logprobs: ZeroOnly = None
+    tool_choice: Optional[ToolChoice] = None
+    tools: Optional[Tools] = None
+    top_logprobs: TopLogprobs = None
     top_p: TopP = None
     user: Optional[str] = None
     web_search_options: NullOnly = None
@@ -182,6 +275,13 @@ class ChatCompletionRequest(_Request):
     ignore_eos: Optional[bool] = None
     cache_prompt: Optional[bool] = None  # llama-server's: false processes the whole prompt again
     speculative_decoding: SpeculativeField = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value, info):
+        if value and not info.data.get("logprobs"):
+            raise ValueError("only allowed when logprobs is true")
+        return value
 
 
 # -- completions ---------------------------------------------------------------------------------
@@ -207,10 +307,10 @@ class CompletionRequest(_Request):
     model: str
     prompt: Prompt
     best_of: _neutral(Optional[Int], "1", lambda v: v == 1, [{"const": 1}]) = None
-    echo: FalseOnly = None
+    echo: Annotated[Optional[bool], Field(description="return the prompt before the completion")] = None
     frequency_penalty: Penalty = None
     logit_bias: LogitBias = None
-    logprobs: NullOnly = None
+    logprobs: CompletionLogprobs = None
     max_tokens: MaxTokens = None
     n: N = None
     presence_penalty: Penalty = None
@@ -218,7 +318,8 @@ class CompletionRequest(_Request):
     stop: Stop = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    suffix: _neutral(Optional[str], '""', lambda v: v == "", [{"const": ""}]) = None
+    # Fill-in-the-middle in the model's FIM tokens (server/fim.py); "" or null: a plain completion.
+    suffix: Optional[str] = None
     temperature: Temperature = None
     top_p: TopP = None
     user: Optional[str] = None
@@ -228,6 +329,7 @@ class CompletionRequest(_Request):
     ignore_eos: Optional[bool] = None
     cache_prompt: Optional[bool] = None  # llama-server's: false processes the whole prompt again
     speculative_decoding: SpeculativeField = None
+    response_format: ResponseFormat = None  # as on chat (vLLM takes it on completions too)
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -245,18 +347,37 @@ class Usage(BaseModel):
 
 
 FinishReason = Optional[Literal["stop", "length"]]
+ChatFinishReason = Optional[Literal["stop", "length", "tool_calls"]]  # tool_calls: the model called tools
 
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = Field(None, exclude_if=lambda value: value is None)
+
+
+class TopLogprob(BaseModel):
+    token: str  # the token's bytes decoded (a partial UTF-8 character as U+FFFD)
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[ChatTokenLogprob]] = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
-    finish_reason: FinishReason = None
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: ChatFinishReason = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -272,13 +393,37 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = Field(None, exclude_if=lambda value: value is None)
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
-    finish_reason: FinishReason = None
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: ChatFinishReason = None
+
+
+class SpeculativeRound(BaseModel):
+    method: str = Field(description='the proposal\'s source ("draft", "ngram", "cache", "hybrid", "grammar"), '
+                                    'or "none": the target decoded one token alone')
+    proposed: int
+    accepted: int
+    rejected: Optional[str] = Field(None, exclude_if=lambda value: value is None,
+                                    description="the rejected proposal's text, when asked (stream_options)")
+
+
+class SpeculativeChunk(BaseModel):
+    """A chunk's `speculative` extension (stream_options.speculative): over a stream, `sources`
+    holds one entry per completion token, in order."""
+
+    sources: list[str] = Field(description='who produced each token whose text ends in this chunk: "target", or the '
+                                           "source whose proposal the target accepted; on the finish_reason chunk, "
+                                           "the tokens whose text was never sent (a stop string cut it)")
+    rounds: list[SpeculativeRound] = Field(description="the decoding rounds whose last token is in this chunk")
+
+
+SpeculativeExtension = Annotated[Optional[SpeculativeChunk], Field(
+    exclude_if=lambda value: value is None, description="specdec extension, only when stream_options.speculative")]
 
 
 class ChatCompletionChunk(BaseModel):
@@ -289,12 +434,23 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: Optional[str] = None
     choices: list[ChatChunkChoice]
     usage: Optional[Usage] = None
+    speculative: SpeculativeExtension = None
+
+
+class TextLogprobs(BaseModel):
+    """OpenAI's legacy shape: per token its text, log-probability (null for the first prompt token
+    under echo), the most likely tokens as {text: log-probability}, and where its text starts."""
+
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
 
 
 class CompletionChoice(BaseModel):
     text: str
     index: int = 0
-    logprobs: None = None
+    logprobs: Optional[TextLogprobs] = None
     finish_reason: FinishReason = None
 
 
@@ -306,6 +462,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Optional[Usage] = None
     system_fingerprint: Optional[str] = None
+    speculative: SpeculativeExtension = None  # in streamed chunks only
 
 
 class ModelCard(BaseModel):
@@ -339,5 +496,9 @@ class ErrorResponse(BaseModel):
 
 register_field_names(
     name for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextContentPart, StreamOptions,
-                       SpeculativeDecoding) for name in model.model_fields
+                       ToolDefinition, FunctionDefinition, NamedToolChoice, FunctionChoice, MessageToolCall,
+                       CalledFunction,
+                       StreamSpeculative, SpeculativeDecoding, JSONSchemaResponseFormat, JSONSchemaSpec)
+    for name in model.model_fields
 )
+register_field_names(["schema"])  # JSONSchemaSpec's alias

@@ -129,26 +129,31 @@ class Scheduler:
             self._cond.notify()
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Ticket:
+        return self.submit_many([request], loop)[0]
+
+    def submit_many(self, requests: list[GenerationRequest], loop: asyncio.AbstractEventLoop) -> list[Ticket]:
+        """Queue the requests (one per choice of an `n` > 1 request) together or none of them: the
+        queue's bound counts each."""
         now = self.clock()
-        ticket = Ticket(request, loop, now, now + self.config.request_timeout, self._wake)
+        tickets = [Ticket(request, loop, now, now + self.config.request_timeout, self._wake) for request in requests]
         with self._cond:
-            self._check_accepting()
-            self._waiting.append(ticket)
+            self._check_accepting(len(tickets))
+            self._waiting.extend(tickets)
             self._cond.notify()
-        return ticket
+        return tickets
 
-    def check_accepting(self) -> None:
-        """Raise Refused or QueueFull if a new request would be refused now (checked before a
-        prompt is encoded, and again when it is submitted)."""
+    def check_accepting(self, count: int = 1) -> None:
+        """Raise Refused or QueueFull if a new request of `count` choices would be refused now
+        (checked before a prompt is encoded, and again when it is submitted)."""
         with self._cond:
-            self._check_accepting()
+            self._check_accepting(count)
 
-    def _check_accepting(self) -> None:
+    def _check_accepting(self, count: int = 1) -> None:
         if self._stalled is not None:
             raise Refused(stalled_error(self._stalled))
         if self._draining or self._stopping:
             raise Refused(not_accepting_error())
-        if len(self._waiting) >= self.config.max_queue + max(0, self.n_slots - len(self._running)):
+        if len(self._waiting) + count > self.config.max_queue + max(0, self.n_slots - len(self._running)):
             raise QueueFull()
 
     def begin_drain(self) -> None:
