@@ -127,3 +127,20 @@ def test_write_report_md_and_json(tmp_path):
     assert json.loads(js.read_text())["runs"][0]["requests"]["ok"] == 1
     with pytest.raises(SpecdecError):
         write_report(tmp_path / "report.json", {})
+
+
+def test_schema_valid_outputs_are_counted():
+    from specdec.client.structured import schema_valid
+
+    form = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    assert schema_valid('{"a": 1}', form) is True
+    assert schema_valid('{"a": "1"}', form) is False
+    assert schema_valid('{"a": 1', form) is False
+    assert schema_valid("[]", {"type": "json_object"}) is False
+    assert schema_valid("anything", {"type": "text"}) is None and schema_valid("x", None) is None
+    records = [{**ok("a", 1.0), "schema_valid": True}, {**ok("b", 1.0), "schema_valid": False}, ok("c", 1.0)]
+    summary = summarize(records)
+    assert summary.structured == (1, 2)
+    assert "| schema-valid (of those with a response_format) | 1/2 |" in render_markdown(
+        build_report([summary], PriceTable({}), None))

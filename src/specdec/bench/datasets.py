@@ -33,6 +33,7 @@ class BenchPrompt:
     id: str
     category: str
     messages: tuple[dict, ...]  # the first user turn, after any system message
+    response_format: Optional[dict] = None  # sent as is by `bench --server` (structured output)
 
     @property
     def text(self) -> str:
@@ -146,7 +147,10 @@ def _prompt_from_row(row: dict, line_no: int, path: Path, spec_bench: bool) -> B
         raise SpecdecError(f"{where}: each line needs `prompt`, `messages` or `turns`.")
     if not messages[-1]["content"].strip():
         raise SpecdecError(f"{where}: the prompt is empty.")
-    return BenchPrompt(str(raw_id), category, messages)
+    response_format = row.get("response_format")
+    if response_format is not None and not isinstance(response_format, dict):
+        raise SpecdecError(f"{where}: `response_format` must be an object.")
+    return BenchPrompt(str(raw_id), category, messages, response_format)
 
 
 def _first_turn_messages(messages, where: str) -> tuple[dict, ...]:

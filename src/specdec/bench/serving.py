@@ -33,6 +33,7 @@ import httpx
 
 from specdec.bench.datasets import BenchPrompt
 from specdec.bench.peers import LlamaServer, ServerOptions, free_port
+from specdec.client.structured import schema_valid
 from specdec.types import SpecdecError
 
 STARTUP_SECONDS = 900.0  # a fresh specdec serve may calibrate first
@@ -62,6 +63,8 @@ async def one_request(client: httpx.AsyncClient, config: ServedConfig, prompt: B
         body["speculative_decoding"] = {"method": config.method}
     # Every server processes every prompt: no prompt cached by another configuration's wave.
     body["cache_prompt"] = False
+    if prompt.response_format is not None:
+        body["response_format"] = prompt.response_format
     record = {"config": config.label, "prompt_id": prompt.id, "category": prompt.category, "error": None}
     started = time.perf_counter()
     chunks: list[float] = []
@@ -95,7 +98,10 @@ async def one_request(client: httpx.AsyncClient, config: ServedConfig, prompt: B
                   decode_tokens_per_second=((tokens - 1) / (chunks[-1] - chunks[0])
                                             if len(chunks) > 1 and chunks[-1] > chunks[0] else None),
                   chunk_gaps=[b - a for a, b in zip(chunks, chunks[1:])])
+    if prompt.response_format is not None:
+        record["schema_valid"] = schema_valid(record["text"], prompt.response_format)
     return record
+
 
 
 def engine_request(config: ServedConfig, prompt: BenchPrompt, max_tokens: int) -> dict:

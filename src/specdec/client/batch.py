@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Union
 
 from specdec.client.http import APIError, AsyncClient, Completion, request_fields, speculative_decoding_field
+from specdec.client.structured import schema_valid
 from specdec.types import SpecdecError
 
 try:
@@ -386,6 +387,7 @@ def success_record(item: BatchItem, completion: Completion, body: dict, started_
         "model": completion.model or body.get("model"), "finish_reason": completion.finish_reason,
         "speculative_decoding": body.get("speculative_decoding"), "started_at": started_at,
         "finished_at": time.time(),
+        "schema_valid": schema_valid(completion.text, body.get("response_format")),
     }
 
 

@@ -88,6 +88,7 @@ class RunSummary:
     wall_seconds: float
     speculative: Optional[dict]
     texts: dict  # id key -> text of the successful line, for comparing runs
+    structured: tuple[int, int] = (0, 0)  # (schema-valid, asked for a structure) among successful requests
 
     @property
     def output_tokens_per_second(self) -> Optional[float]:
@@ -147,6 +148,8 @@ def summarize(records: Sequence[dict], ids: Optional[Sequence[object]] = None, *
         wall_seconds=busy_seconds(intervals),
         speculative=_speculative(ok_records),
         texts={record_key(r): r.get("text") for r in ok_records},
+        structured=(sum(r.get("schema_valid") is True for r in ok_records),
+                    sum(r.get("schema_valid") is not None for r in ok_records)),
     )
 
 
@@ -215,7 +218,8 @@ def run_section(summary: RunSummary, prices: PriceTable, machine_hour_usd: Optio
                      "not_run": summary.not_run, "retried": summary.retried, "attempts": summary.attempts,
                      "duplicate_successes": summary.duplicate_successes,
                      "unreadable_lines": summary.unreadable_lines,
-                     "failure_reasons": [{"reason": r, "count": n} for r, n in summary.failure_reasons]},
+                     "failure_reasons": [{"reason": r, "count": n} for r, n in summary.failure_reasons],
+                     "schema_valid": summary.structured[0], "structured": summary.structured[1]},
         "tokens": {"prompt": summary.prompt_tokens, "completion": summary.completion_tokens,
                    "total": summary.prompt_tokens + summary.completion_tokens},
         "latency_seconds": None if summary.latency is None else asdict(summary.latency),
@@ -318,6 +322,8 @@ def render_markdown(doc: dict) -> str:
         row("not run yet", lambda r: str(r["requests"]["not_run"])),
         row("needed a retry", lambda r: str(r["requests"]["retried"])),
         row("attempts", lambda r: str(r["requests"]["attempts"])),
+        row("schema-valid (of those with a response_format)",
+            lambda r: f"{r['requests'].get('schema_valid', 0)}/{r['requests'].get('structured', 0)}"),
         row("results file", lambda r: f"`{r['results_file']}`"),
     ])
     for run, label in zip(runs, labels):
