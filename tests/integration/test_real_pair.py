@@ -63,6 +63,25 @@ def test_seeded_sampling_gives_the_same_text_with_and_without_n_gram_drafting(re
     assert accepted > 0 and drafted > accepted  # the n-gram path was exercised, rejections included
 
 
+def test_logprobs_are_identical_under_off_auto_and_draft(real_engine):
+    """Each generated token's log-probabilities (the target's raw logits row at its position) are
+    the same bit for bit whether plain decoding or a verified draft committed it; scoring the
+    prompt for them (echo) leaves the generated tokens as they were."""
+    prompt_ids = tuple(real_engine.encode_prompt("Write a Python function that adds two numbers.", chat=True))
+    entries, tokens, stats = {}, {}, {}
+    for method, k in [("off", 0), ("auto", 4), ("draft", 4)]:
+        events = list(real_engine.stream(GenerationRequest(prompt_ids, 32, spec=SpecConfig(method, k), logprobs=5)))
+        entries[method] = [entry for event in events for entry in event.logprobs]
+        tokens[method] = [token for event in events for token in event.token_ids]
+        stats[method] = events[-1].stats
+        assert [entry.token_id for entry in entries[method]] == tokens[method]
+    assert entries["auto"] == entries["off"] and entries["draft"] == entries["off"]
+    assert stats["draft"]["accepted_tokens"] > 0  # rows of batched verifications were compared too
+    assert all(entry.top[0] == (entry.token_id, entry.logprob) for entry in entries["off"])  # greedy: the most likely
+    echoed = real_engine.generate(GenerationRequest(prompt_ids, 32, spec=SpecConfig("off", 0), prompt_logprobs=2))
+    assert echoed.token_ids == tokens["off"]
+
+
 def test_specdecs_ik_build_steps_repacked_weights_one_row_at_a_time(engines):
     """scripts/install.sh builds ik_llama.cpp with its one-row patch (the tests' install insists on
     it), so the repacked target needs no padding row, and the bit-for-bit tests below compare its

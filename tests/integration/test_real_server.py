@@ -111,3 +111,90 @@ def test_more_streams_than_slots_with_auto_and_seeded_sampling_equal_each_reques
     print(f"\nreal pair, mixed: {compared} texts compared, {unchecked} sampled by auto with the draft model, "
           f"{refused} refusals (429) before acceptance")
     assert refused > 0  # the queue was full for some of them
+
+
+FIM_PREFIX = 'def is_palindrome(text: str) -> bool:\n    """Whether text reads the same backwards, ignoring case and spaces."""\n'
+FIM_SUFFIX = '\n\n\nprint(is_palindrome("Never odd or even"))\n'
+
+
+def test_fim_body_is_the_same_under_off_and_auto(real_engine):
+    """A function body cut out, asked back through `/v1/completions` with a suffix and through
+    `/infill`: greedy, `auto` writes exactly `off`'s body, ended by the model's end token."""
+    app = create_app(real_engine, ServerConfig(served_model_name="qwen", spec=SpecConfig("auto", 3),
+                                               stall_timeout=STALL_TIMEOUT))
+    answers = {}
+    with serve_in_thread(app, timeout=START_TIMEOUT) as (url, _):
+        for method in ("off", "auto"):
+            spec = {"method": method}
+            completion = httpx.post(f"{url}/v1/completions", timeout=600, json={
+                "model": "qwen", "prompt": FIM_PREFIX, "suffix": FIM_SUFFIX, "max_tokens": 64, "temperature": 0,
+                "speculative_decoding": spec}).json()
+            infill = httpx.post(f"{url}/infill", timeout=600, json={
+                "input_prefix": FIM_PREFIX, "input_suffix": FIM_SUFFIX, "n_predict": 64, "temperature": 0,
+                "speculative_decoding": spec}).json()
+            answers[method] = (completion["choices"][0]["text"], completion["choices"][0]["finish_reason"],
+                               infill["content"], infill["stop_type"])
+    assert answers["auto"] == answers["off"]
+    text, finish_reason, content, stop_type = answers["off"]
+    assert "return" in text and finish_reason == "stop" and "print(" not in text, text
+    assert "return" in content and stop_type == "eos" and "print(" not in content, content
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "The city name"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}}
+WEATHER_QUESTION = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
+
+
+def test_openai_client_streams_a_required_tool_call(real_engine):
+    """tool_choice "required": the grammar makes Qwen2.5 write one `<tool_call>` block (it answers
+    this prompt with a markdown JSON block under "auto"); streamed, the `openai` client assembles
+    the call; `auto` streams exactly what `off` returns whole."""
+    app = create_app(real_engine, ServerConfig(served_model_name="qwen", spec=SpecConfig("auto", 3),
+                                               stall_timeout=STALL_TIMEOUT))
+    with serve_in_thread(app, timeout=START_TIMEOUT) as (url, _):
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+        request = dict(model="qwen", messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], tool_choice="required",
+                       parallel_tool_calls=False, temperature=0, max_tokens=64)
+        with client.chat.completions.stream(**request) as stream:
+            streamed = stream.get_final_completion().choices[0]
+        whole = client.chat.completions.create(**request, extra_body={"speculative_decoding": {"method": "off"}})
+    assert streamed.finish_reason == "tool_calls" == whole.choices[0].finish_reason
+    (call,) = streamed.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    assert "Paris" in arguments["city"] and arguments.get("unit", "celsius") in ("celsius", "fahrenheit")
+    assert [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls] == [
+        (call.function.name, call.function.arguments)]
+
+
+def test_langchain_tools_and_structured_output(real_engine):
+    """langchain-openai's ChatOpenAI against the server: bind_tools gets a tool call back, and
+    with_structured_output fills a Pydantic model by a forced tool call and by response_format."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        """Get the current weather in a city."""
+
+        city: str = Field(description="The city name")
+
+    class Person(BaseModel):
+        """A person mentioned in the text."""
+
+        name: str
+        age: int
+
+    app = create_app(real_engine, ServerConfig(served_model_name="qwen", spec=SpecConfig("auto", 3),
+                                               stall_timeout=STALL_TIMEOUT))
+    with serve_in_thread(app, timeout=START_TIMEOUT) as (url, _):
+        llm = ChatOpenAI(base_url=f"{url}/v1", api_key="unused", model="qwen", temperature=0, max_tokens=64,
+                         max_retries=0, timeout=600)
+        message = llm.bind_tools([GetWeather], tool_choice="GetWeather", parallel_tool_calls=False).invoke(
+            "What's the weather like in Paris right now?")
+        people = [llm.with_structured_output(Person, method=method).invoke("Alice is 30 years old.")
+                  for method in ("function_calling", "json_schema")]
+    assert [(call["name"], call["args"]) for call in message.tool_calls] == [("GetWeather", {"city": "Paris"})]
+    assert people == [Person(name="Alice", age=30)] * 2
