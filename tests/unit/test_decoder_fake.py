@@ -1,11 +1,9 @@
 """The decoding loop on the weightless fake backend: speculative greedy == plain greedy, caches in
 step after every round, stops honoured, text streamed in whole characters."""
-import numpy as np
 import pytest
 
 from specdec.backends.fake import FakeBackend
-from specdec.engine.decoder import Generation
-from specdec.engine.engine import Engine, EngineConfig
+from specdec.engine.engine import Engine
 from specdec.types import GenerationRequest, SamplingParams, SpecConfig, SpecdecError
 
 

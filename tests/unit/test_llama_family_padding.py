@@ -4,7 +4,6 @@ removed right after the call. On a scripted binding, no library loaded."""
 import ctypes
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from specdec.backends.bindings.base import KernelRules, LlamaBinding

@@ -1,7 +1,6 @@
 """Model files are verified (missing, truncated, corrupt are refused with one sentence), the pull
 assembles chunks in part order, and the CLI reports user errors in one line without a traceback."""
 import hashlib
-import io
 import subprocess
 import sys
 import zipfile

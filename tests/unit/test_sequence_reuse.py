@@ -5,8 +5,6 @@ from specdec.backends.base import aligned_chunks
 from specdec.backends.fake import FakeBackend
 from specdec.engine.engine import Engine
 from specdec.engine.sequence import CachedSequence
-from specdec.server import ServerConfig
-from specdec.server.scheduler import Scheduler
 from specdec.types import GenerationRequest, SpecConfig
 
 

@@ -346,7 +346,7 @@ def test_a_queued_stream_gets_keepalive_comments():
                     assert second.status_code == 200
                     lines = second.iter_lines()
                     assert next(lines) == ": keep-alive"  # still queued: nothing else to say yet
-                    assert next(l for l in lines if l) == ": keep-alive"
+                    assert next(line for line in lines if line) == ": keep-alive"
                     assert app.state.specdec.scheduler.num_waiting == 1
         scheduler = app.state.specdec.scheduler
         assert wait_for(lambda: scheduler.num_running == 0 and scheduler.num_waiting == 0, 10)

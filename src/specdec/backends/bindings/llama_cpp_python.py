@@ -24,7 +24,6 @@ import threading
 from contextlib import contextmanager
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Optional
 
 from specdec.backends.bindings.base import ContextOptions, KernelRules, LlamaBinding, once
 from specdec.types import SpecdecError
