@@ -268,3 +268,45 @@ def test_special_token_text_in_a_message_stays_text_on_the_real_tokenizer(real_e
     plain = [{"role": "user", "content": "Write quicksort in Python."}]
     assert real_engine.encode_prompt(plain, chat=True) == target.tokenize(target.apply_chat_template(plain),
                                                                           add_special=False)
+
+
+def test_a_prompt_start_shared_from_another_slot_gives_the_logits_of_processing_from_scratch(real_engine):
+    """Prompts processed once: a sequence holding another slot's cells of its prompt's whole blocks
+    (engine/sequence.py, adopt) gets bit for bit the logits it gets computing the prompt itself,
+    alone and verified together with the slot it shares with; that slot's own logits stay its own."""
+    target = real_engine.target
+    if not target.prefix_share_block:
+        pytest.skip(f"{target.name} keeps a context per sequence here: nothing to share")
+    prompt = next(p for c, p in EQUALITY_PROMPTS if c == "summarization")
+    ids = real_engine.encode_prompt(prompt, chat=True)
+    assert len(ids) > 2 * target.prefix_share_block
+    source, sharer = real_engine.slots[0].target, real_engine.slots[1].target
+    other = ids[:-40] + target.tokenize(" A different ending of the same start.", add_special=False)
+    tail = ids[-1:] + target.tokenize(" def f(x): return x", add_special=False)[:5]
+    other_tail = target.tokenize(" Then", add_special=False)
+
+    def scratch(seq, prefix, rows):
+        seq.clear()
+        seq.prefill(prefix)
+        logits = seq.extend(rows)
+        seq.clear()
+        return logits
+
+    alone, other_alone = scratch(sharer, ids[:-1], tail), scratch(source, other, other_tail)
+    try:
+        source.prefill(other)
+        length = source.shareable_prefix(ids[:-1])
+        assert 0 < length <= len(ids) - 40 and length % target.prefix_share_block == 0
+        sharer.adopt(source, length)
+        sharer.prefill(ids[:-1])  # the rest of the prompt, in cells of its own
+        together = target.eval_many([(sharer.seq_id, len(sharer), tail), (source.seq_id, len(source), other_tail)])
+        sharer.record(tail)
+        source.record(other_tail)
+        assert np.array_equal(together[0], alone), f"up to {np.abs(together[0] - alone).max()}"
+        assert np.array_equal(together[1], other_alone), f"up to {np.abs(together[1] - other_alone).max()}"
+        source.clear()  # the shared cells stay the sharer's
+        sharer.truncate(len(ids) - 1)
+        assert np.array_equal(sharer.extend(tail), alone)
+    finally:
+        source.clear()
+        sharer.clear()

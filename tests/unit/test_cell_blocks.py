@@ -42,3 +42,39 @@ def test_a_sequence_with_no_free_block_above_its_last_gets_a_clear_error():
     blocks.truncate(0, 0)  # block 0 free, but below sequence 2's block
     with pytest.raises(SpecdecError, match="no free block after sequence 2"):
         blocks.cells(2, [8])
+
+
+def test_a_shared_block_is_free_again_only_when_its_last_holder_drops_it():
+    blocks = CellBlocks(64, block=8)
+    blocks.cells(0, range(20))  # blocks 0, 1, 2
+    blocks.share(0, 1, 16)  # sequence 1 takes positions 0..15: blocks 0 and 1, the same cells
+    assert blocks.cells(1, range(16)) == list(range(16))
+    assert blocks.cells(1, [16]) == [24]  # its own next block above them: still rising
+    blocks.truncate(0, 0)
+    assert blocks.cells(2, range(9)) == [16, 17, 18, 19, 20, 21, 22, 23, 32]  # block 2 was 0's alone
+    blocks.truncate(1, 0)
+    assert blocks.cells(3, [0]) == [0]  # now blocks 0 and 1 are free
+
+
+def test_no_holder_may_cut_into_a_block_it_shares():
+    blocks = CellBlocks(64, block=8)
+    blocks.cells(0, range(20))
+    blocks.share(0, 1, 16)
+    assert blocks.keepable(0, 12) == 8  # position 12 sits in block 1, which sequence 1 holds too
+    assert blocks.keepable(1, 12) == 8
+    assert blocks.keepable(0, 18) == 18  # block 2 is its own
+    assert blocks.keepable(0, 16) == 16
+    blocks.truncate(1, 0)
+    assert blocks.keepable(0, 12) == 12
+
+
+def test_only_whole_blocks_are_shared_and_only_into_an_empty_sequence():
+    blocks = CellBlocks(64, block=8)
+    blocks.cells(0, range(20))
+    with pytest.raises(ValueError):
+        blocks.share(0, 1, 12)
+    with pytest.raises(ValueError):
+        blocks.share(0, 1, 32)  # more than it holds
+    blocks.cells(1, [0])
+    with pytest.raises(ValueError):
+        blocks.share(0, 1, 8)

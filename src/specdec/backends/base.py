@@ -28,6 +28,9 @@ class Backend(ABC):
     # aligned_chunks), because this backend's numbers for a position depend on the batch it was
     # computed in; prefix caching then reuses only whole chunks (engine/sequence.py).
     prefill_alignment: int = 1
+    # > 0: a sequence may take another's cached positions (share_prefix) in whole multiples of
+    # this, without computing them again; 0: each sequence computes its own.
+    prefix_share_block: int = 0
 
     @abstractmethod
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -54,6 +57,16 @@ class Backend(ABC):
     @abstractmethod
     def truncate(self, seq_id: int, length: int) -> None:
         """Drop seq_id's cached positions from `length` onward."""
+
+    def share_prefix(self, source_seq: int, seq_id: int, length: int) -> None:
+        """seq_id (holding nothing) takes source_seq's cached positions < length, a multiple of
+        prefix_share_block, as if it had computed them itself."""
+        raise NotImplementedError(f"{self.name} cannot share cached positions between sequences")
+
+    def keepable(self, seq_id: int, length: int) -> int:
+        """The longest prefix up to `length` of seq_id's cache that it may truncate to and then
+        extend (positions another sequence shares may pin more of it)."""
+        return length
 
     def eval_many(self, requests: Sequence[tuple[int, int, Sequence[int]]], *, prefill: bool = False) -> list[np.ndarray]:
         """Evaluate several sequences' (seq_id, start, tokens); backends that can batch them override this."""

@@ -11,6 +11,10 @@ a forward").
 
 Example (BLOCK 4, 12 cells): A takes blocks 0 and 1 for positions 0..5 (cells 0..5), B then
 block 2 (cells 8..); A's positions 8.. need a block above 1: block 2 is B's, so none is free.
+
+Sequences with a common prompt start share its whole blocks (share(): the cells hold the same
+positions, so each still sums as alone); a block is free again when its last holder drops it, and
+no holder may cut into a shared block and write there (keepable() says where a cut may fall).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ class CellBlocks:
         self.block = block
         self._free = list(range(n_cells // block))  # sorted
         self._blocks: dict[int, list[int]] = {}  # sequence -> its blocks, increasing
+        self._holders: dict[int, int] = {}  # block -> how many sequences hold it
 
     def cells(self, seq: int, positions: Sequence[int]) -> list[int]:
         """The cell of each position of `seq`, taking blocks as the positions need them."""
@@ -43,12 +48,36 @@ class CellBlocks:
         """The first cell of the sequence's first block (a call's attention starts at its sequences' lowest)."""
         return self._blocks[seq][0] * self.block
 
+    def share(self, source: int, seq: int, length: int) -> None:
+        """`seq` (holding nothing) takes `source`'s positions < length, a whole number of blocks."""
+        if length % self.block or self._blocks.get(seq):
+            raise ValueError(f"sequence {seq} can share only whole blocks, and only while it holds none")
+        shared = self._blocks.get(source, [])[:length // self.block]
+        if len(shared) * self.block != length:
+            raise ValueError(f"sequence {source} holds fewer than {length} positions")
+        for block in shared:
+            self._holders[block] += 1
+        self._blocks[seq] = list(shared)
+
+    def keepable(self, seq: int, length: int) -> int:
+        """The longest prefix up to `length` that `seq` may keep and write after: never part of a
+        block it shares (the positions after the cut sit in cells another sequence still holds)."""
+        blocks = self._blocks.get(seq, [])
+        index = length // self.block
+        if length % self.block and index < len(blocks) and self._holders[blocks[index]] > 1:
+            return index * self.block
+        return length
+
     def truncate(self, seq: int, length: int) -> None:
-        """`seq` keeps positions < length: the blocks wholly past them are free again."""
+        """`seq` keeps positions < length: the blocks wholly past them that no other sequence holds
+        are free again."""
         blocks = self._blocks.get(seq, [])
         keep = -(-length // self.block)
         for block in blocks[keep:]:
-            bisect.insort(self._free, block)
+            self._holders[block] -= 1
+            if not self._holders[block]:
+                del self._holders[block]
+                bisect.insort(self._free, block)
         del blocks[keep:]
 
     def _take_above(self, last: int, seq: int) -> int:
@@ -57,4 +86,6 @@ class CellBlocks:
             raise SpecdecError(f"the shared KV cache has no free block after sequence {seq}'s last one "
                                f"({len(self._free)} free below it): serve fewer concurrent long sequences "
                                "or give each a smaller --ctx-size.")
-        return self._free.pop(at)
+        block = self._free.pop(at)
+        self._holders[block] = 1
+        return block

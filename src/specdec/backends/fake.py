@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from specdec.backends.base import Backend
+from specdec.backends.cell_blocks import CellBlocks
 from specdec.backends.chat_template import render_chat_template
 
 SPECIAL_PIECES = [b"<|endoftext|>", b"<|im_end|>", b"<|im_start|>"]
@@ -36,6 +37,7 @@ class FakeBackend(Backend):
         token_cost: float = 0.0,
         extra_special_pieces: Sequence[bytes] = (),
         chat_template: Optional[str] = None,
+        prefix_share_block: int = 0,
     ):
         # Extra special pieces (e.g. FIM tokens) go last, so that every default id stays as it is.
         self.pieces: list[bytes] = (SPECIAL_PIECES + [bytes([b]) for b in range(32, 127)] + [b"\n"] + WORD_PIECES
@@ -53,10 +55,14 @@ class FakeBackend(Backend):
         self.sharpness = sharpness
         self.cache: dict[int, list[int]] = {}
         self.eval_calls: list[tuple[int, int]] = []  # (seq_id, n_tokens) per eval, for tests
+        self.shared_prefixes: list[tuple[int, int, int]] = []  # (source, seq_id, length) per share, for tests
         # An injected clock lets tests give each forward a known cost without wall-clock timing.
         self.clock = clock
         self.step_cost = step_cost
         self.token_cost = token_cost
+        # Sharing cached positions between sequences, kept in blocks as the llama.cpp family keeps them.
+        self.prefix_share_block = prefix_share_block
+        self._blocks = CellBlocks(n_ctx * max_sequences, prefix_share_block) if prefix_share_block else None
         self._by_piece = {piece: i for i, piece in enumerate(self.pieces)}
         self._max_piece = max(len(p) for p in self.pieces)
 
@@ -110,6 +116,8 @@ class FakeBackend(Backend):
             raise AssertionError(f"fake backend: eval at {start} but sequence {seq_id} caches {len(cache)} tokens")
         if start + len(tokens) > self.n_ctx:
             raise AssertionError("fake backend: context overflow")
+        if self._blocks is not None:
+            self._blocks.cells(seq_id, range(start, start + len(tokens)))
         rows = []
         for token in tokens:
             cache.append(int(token))
@@ -122,7 +130,23 @@ class FakeBackend(Backend):
         return np.stack(rows) if rows else np.zeros((0, self.vocab_size), dtype=np.float32)
 
     def truncate(self, seq_id: int, length: int) -> None:
+        if self._blocks is not None:
+            if self._blocks.keepable(seq_id, length) != length:
+                raise AssertionError(f"fake backend: sequence {seq_id} cut at {length}, inside a block it shares")
+            self._blocks.truncate(seq_id, length)
         del self.cache.setdefault(seq_id, [])[length:]
+
+    def share_prefix(self, source_seq: int, seq_id: int, length: int) -> None:
+        if self._blocks is None:
+            super().share_prefix(source_seq, seq_id, length)
+        if self.cache.get(seq_id):
+            raise AssertionError(f"fake backend: sequence {seq_id} shares a prefix while it holds tokens")
+        self._blocks.share(source_seq, seq_id, length)
+        self.cache[seq_id] = list(self.cache[source_seq][:length])
+        self.shared_prefixes.append((source_seq, seq_id, length))
+
+    def keepable(self, seq_id: int, length: int) -> int:
+        return self._blocks.keepable(seq_id, length) if self._blocks is not None else length
 
     def cached_tokens(self, seq_id: int = 0) -> Optional[list[int]]:
         return list(self.cache.get(seq_id, []))

@@ -4,7 +4,7 @@ ggml's CPU kernels run on OpenMP, whose runtime keeps a pool of worker threads p
 thread. Once a process holds more of them than it has cores (a model loaded on one thread,
 decoded on another), libgomp stops spinning at barriers and sleeps on a futex at every one of
 the hundreds per forward: decoding ran at 0.6x (the server, which calibrated on one thread and
-decoded on another) or worse (docs/benchmarks.md, "The server's tax"). Routing loading,
+decoded on another) or worse (docs/notebook.md, the Zen 5 entry, "The server's tax"). Routing loading,
 decoding and freeing through this thread keeps one pool whatever thread the caller is on; a
 call costs one hand-over (tens of microseconds) against a forward's tens of milliseconds.
 """

@@ -111,6 +111,7 @@ class LlamaFamilyBackend(Backend):
                                        for ctx in self._contexts)
         if self.rules.cell_ranges:
             self._cell_blocks = CellBlocks(self._cells_per_sequence * sequences_per_context)
+            self.prefix_share_block = self._cell_blocks.block  # sequences in one cache may hold the same cells
         # A padded call writes up to min_rows - 1 cells past the sequence's last position.
         self.n_ctx = self._cells_per_sequence - (self.rules.min_rows - 1)
 
@@ -229,6 +230,8 @@ class LlamaFamilyBackend(Backend):
         library_thread.call(self._truncate, ctx, local_id, length)
 
     def _truncate(self, ctx, local_id: int, length: int) -> None:
+        if self.rules.cell_ranges and self._cell_blocks.keepable(local_id, length) != length:
+            raise SpecdecError(f"sequence {local_id} would cut into cells it shares with another (at position {length}).")
         # False: the library kept the cells (a recurrent model's state cannot be cut partway). Going
         # on would decode the next tokens after positions the caller believes gone.
         if self._binding.seq_rm(ctx, local_id, length) is False:
@@ -237,6 +240,22 @@ class LlamaFamilyBackend(Backend):
                                "matches the sequence's tokens.")
         if self.rules.cell_ranges:
             self._cell_blocks.truncate(local_id, length)
+
+    def share_prefix(self, source_seq: int, seq_id: int, length: int) -> None:
+        if not self.prefix_share_block:
+            super().share_prefix(source_seq, seq_id, length)
+        library_thread.call(self._share_prefix, source_seq, seq_id, length)
+
+    def _share_prefix(self, source_seq: int, seq_id: int, length: int) -> None:
+        (ctx, source), (_, local_id) = self._context_of(source_seq), self._context_of(seq_id)
+        self._cell_blocks.share(source, local_id, length)
+        # The cells get a second owner (no copy): each sequence's attention reads them where they are.
+        self._binding.seq_cp(ctx, source, local_id, 0, length)
+
+    def keepable(self, seq_id: int, length: int) -> int:
+        if not self.rules.cell_ranges:
+            return length
+        return self._cell_blocks.keepable(self._context_of(seq_id)[1], length)
 
     def describe(self) -> dict:
         return {
@@ -249,6 +268,7 @@ class LlamaFamilyBackend(Backend):
             "max_decode_rows": self.rules.max_decode_rows,
             "context_per_sequence": self.rules.context_per_sequence,
             "cell_ranges": self.rules.cell_ranges,
+            "prefix_share_block": self.prefix_share_block,
             "min_rows": self.rules.min_rows,
             "repacked": self.repacked,
             "proposals_only": self.proposals_only,

@@ -173,6 +173,6 @@ TORCH = register(BackendEntry(
     lambda: find_spec("torch") is not None and find_spec("transformers") is not None, _load_torch,
     dtypes=("bfloat16", "float32")))
 
-# Measured (docs/benchmarks.md, "Backends"): the order in which commands without --backend and
+# Measured (docs/notebook.md, "Backends"): the order in which commands without --backend and
 # without a saved per-machine choice look for an installed backend.
 DEFAULT_ORDER = ("ik_llama.cpp", "llama.cpp", "torch")

@@ -9,7 +9,9 @@ scheduler and each Ray replica with as many as there are slots; all of them the 
     core.abort(handle)              # the client went away or its time is up
 
 One `step()` admits the requests added since the last one (reusing the cached prefix of their
-prompts), processes up to `prefill_budget` prompt tokens in whole aligned chunks (a long prompt
+prompts, from their own slot's cache or, where the backend shares cached positions, any slot's of
+the same tenant: a request whose prompt start another is still processing waits for it instead of
+computing it too, as the choices of an `n` > 1 request do), processes up to `prefill_budget` prompt tokens in whole aligned chunks (a long prompt
 joining does not stall the others), then asks every started generation for its plan (pending
 token + drafts) and verifies them all in ONE target forward, timed here and nowhere else.
 A request's failure is its own (its slot is reset); a failed shared forward fails those in it.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
@@ -215,9 +218,41 @@ class EngineCore:
                 continue
             if budget <= 0:
                 break
+            waits = self._guarded(items, handle, self._share_prompt_start, handle, active)
+            if waits or self._failed(items, handle):
+                continue  # waits: an earlier request is processing the start of this prompt
             budget -= self._guarded(items, handle, self._prefill_chunk, active, budget) or 0
             if not self._failed(items, handle) and self._prompt_done(active):
                 items.extend((handle, item) for item in self._guarded(items, handle, self._start, active) or ())
+
+    def _share_prompt_start(self, handle: int, active: _Active) -> bool:
+        """Take the longest start of this request's prompt that another slot has computed (the
+        same tenant's); True if an earlier request is computing a longer one, to wait for it."""
+        share = self.engine.target.prefix_share_block
+        if not share or active.scoring or not self.engine.config.prefix_cache:
+            return False
+        prefix = active.request.prompt_token_ids[:-1]
+        own = self.engine.slots[active.slot].target
+        sources = [i for i in range(len(self.engine.slots)) if i != active.slot and self._may_reuse(i, active.request)]
+        best, source = len(own.tokens), None
+        for i in sources:
+            length = self.engine.slots[i].target.shareable_prefix(prefix)
+            if length > best:
+                best, source = length, i
+        if source is not None:
+            own.adopt(self.engine.slots[source].target, best)
+            active.generation.cached_prompt_tokens = best
+        # Waiting pays when the earlier request will compute at least one more block we can take.
+        unit = math.lcm(share, own.alignment)
+        for other_handle, other in self._active.items():
+            if other_handle == handle:
+                return False  # only earlier requests: no two wait for each other
+            if other.started or other.generation is None or other.scoring or other.slot not in sources:
+                continue
+            common = _common_length(other.request.prompt_token_ids[:-1], prefix)
+            if common // unit * unit > len(own.tokens):
+                return True
+        return False
 
     def _score_chunk(self, active: _Active, budget: int) -> int:
         """Up to `budget` more prompt tokens evaluated with logits, for the prompt's log-probabilities.
@@ -347,3 +382,12 @@ class EngineCore:
                     logger.exception("could not reset slot %d", index)
                     sequence.tokens.clear()
 
+
+
+def _common_length(a, b) -> int:
+    common = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        common += 1
+    return common

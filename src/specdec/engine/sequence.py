@@ -7,9 +7,12 @@ scratch would have put there. On a backend whose numbers depend on the batch a p
 computed in (`prefill_alignment` > 1, e.g. llama.cpp in exact mode), a sequence made with
 `aligned_reuse` therefore reuses only whole prompt chunks: positions that prompt processing
 computed in full aligned chunks, never positions a decode step or a partial last chunk computed.
+Another sequence of the same backend may take those positions too (adopt), in whole blocks of
+the backend's prefix_share_block, where the backend lets sequences share cached positions.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -41,22 +44,44 @@ class CachedSequence:
 
     def reusable_prefix(self, tokens: Sequence[int]) -> int:
         """How much of `tokens` the cache can serve: the common prefix, cut to whole chunks."""
+        common = self._common_prefix(tokens)
+        if self.alignment > 1:
+            if common >= len(tokens) == self._prefill_end:
+                return self.backend.keepable(self.seq_id, common)  # the same prompt processed the same way
+            common = min(common, self._whole_chunks_end) // self.alignment * self.alignment
+        return self.backend.keepable(self.seq_id, common)
+
+    def shareable_prefix(self, tokens: Sequence[int]) -> int:
+        """How much of `tokens` another sequence may take from this cache: computed by prompt
+        processing in whole chunks, cut to whole blocks of the backend's prefix_share_block."""
+        if not self.backend.prefix_share_block:
+            return 0
+        common = self._common_prefix(tokens)
+        if self.alignment > 1:
+            common = min(common, self._whole_chunks_end)
+        unit = math.lcm(self.backend.prefix_share_block, self.alignment)
+        return common // unit * unit
+
+    def adopt(self, source: "CachedSequence", length: int) -> None:
+        """Hold `source`'s first `length` positions (its shareable_prefix) instead of what this holds."""
+        self.clear()
+        self.backend.share_prefix(source.seq_id, self.seq_id, length)
+        self.tokens = source.tokens[:length]
+        self._whole_chunks_end = length  # computed in whole chunks by the source's prompt processing
+
+    def _common_prefix(self, tokens: Sequence[int]) -> int:
         common = 0
         for cached, wanted in zip(self.tokens, tokens):
             if cached != wanted:
                 break
             common += 1
-        if self.alignment > 1:
-            if common >= len(tokens) == self._prefill_end:
-                return common  # the same prompt processed the same way: all of it is reusable
-            common = min(common, self._whole_chunks_end) // self.alignment * self.alignment
-        return common
+        return self.backend.keepable(self.seq_id, common)
 
     def reuse_prefix(self, tokens: Sequence[int]) -> int:
         """Keep the reusable cached prefix of `tokens` (prefix caching); returns its length."""
         common = self.reusable_prefix(tokens)
         self.truncate(common)
-        return common
+        return self.backend.keepable(self.seq_id, common)
 
     def prefill(self, tokens: Sequence[int]) -> int:
         """Bring the cache to exactly `tokens`, reusing what is already cached; no logits.
@@ -70,7 +95,7 @@ class CachedSequence:
             # Processing started on a chunk boundary, so every full chunk up to here is canonical.
             self._whole_chunks_end = len(tokens) // self.alignment * self.alignment
             self._prefill_end = len(tokens)
-        return common
+        return self.backend.keepable(self.seq_id, common)
 
     def extend(self, tokens: Sequence[int]) -> np.ndarray:
         """Append tokens and return their logits [len(tokens), vocab]."""

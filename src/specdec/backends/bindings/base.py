@@ -141,6 +141,10 @@ class LlamaBinding(ABC):
         spans (n_kv from kv_first, covering every cell of its sequences), where rules say cell_ranges."""
         raise NotImplementedError(f"{self.name} places tokens in cells of its own choosing")
 
+    def seq_cp(self, ctx, source: int, seq_id: int, start: int, end: int) -> None:
+        """seq_id also owns source's cells of positions start..end-1 (no copy), where rules say cell_ranges."""
+        raise NotImplementedError(f"{self.name} places tokens in cells of its own choosing")
+
     @abstractmethod
     def seq_rm(self, ctx, seq_id: int, start: int) -> bool:
         """Drop seq_id's cached positions from `start` onward; False when the library refuses (a

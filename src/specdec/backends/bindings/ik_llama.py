@@ -124,6 +124,7 @@ FUNCTIONS = {
     "llama_decode": ([_p, Batch], ctypes.c_int32),
     "llama_get_logits_ith": ([_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)),
     "llama_kv_cache_seq_rm": ([_p, c_seq_id, c_pos, c_pos], ctypes.c_bool),
+    "llama_kv_cache_seq_cp": ([_p, c_seq_id, c_seq_id, c_pos, c_pos], None),
 }
 
 # Exact mode's kernel rules, measured with this wheel on a 2-core AMD EPYC (Zen 4; the wheel runs
@@ -306,6 +307,9 @@ class IkLlamaBinding(LlamaBinding):
 
     def seq_rm(self, ctx, seq_id: int, start: int) -> bool:
         return bool(self._lib.llama_kv_cache_seq_rm(ctx, seq_id, start, -1))
+
+    def seq_cp(self, ctx, source: int, seq_id: int, start: int, end: int) -> None:
+        self._lib.llama_kv_cache_seq_cp(ctx, source, seq_id, start, end)
 
 
 _bindings: dict[Path, IkLlamaBinding] = {}
