@@ -9,7 +9,7 @@ Decodes the same greedy continuation (plain one-token steps, the target only):
      the server's start-up calibration, before, left one in anyio's pool);
   3. from that second thread itself, the library called directly (the server's worker, before);
   4. on the library thread again once the second thread has ended;
-and prints tokens/s of each repeat (docs/benchmarks.md, "The server's tax").
+and prints tokens/s of each repeat (docs/notebook.md, the Zen 5 entry, "The server's tax").
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The reduced-vocabulary draft beside the full one, in one process (docs/benchmarks.md, "A cheaper
+"""The reduced-vocabulary draft beside the full one, in one process (docs/notebook.md, "A cheaper
 draft step"): whether its logits equal the full draft's on every scored token, what one draft step
 costs with each (interleaved, order alternating), and how much of a target's text the scored
 tokens cover (from bench records: the `off` outputs).

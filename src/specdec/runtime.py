@@ -82,7 +82,7 @@ def chosen_by_rule(args: argparse.Namespace) -> bool:
 def default_config() -> BackendConfig:
     """Without a measured profile (`make profile`), the rule the measurements agree on: with
     specdec's ik_llama.cpp build, its weights repacked (faster at every row count on every CPU
-    measured, docs/benchmarks.md); else the first installed backend as it stores its weights
+    measured, docs/results.md); else the first installed backend as it stores its weights
     (PyPI's ik wheel would pad every repacked one-token step)."""
     backend = default_backend()
     if backend == IK_LLAMA_CPP.name:

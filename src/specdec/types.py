@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 METHODS = ("off", "ngram", "draft", "auto")
-# auto: never measurably slower than plain decoding, faster where drafting pays (docs/benchmarks.md, the bar)
+# auto: never measurably slower than plain decoding, faster where drafting pays (docs/notebook.md, "Adaptive speculation")
 DEFAULT_METHOD = "auto"
 DEFAULT_NUM_DRAFT_TOKENS = 3
 

@@ -72,7 +72,7 @@ def make_request(rng: random.Random, api_keys: int = 8, disconnect_rate: float =
                  greedy_methods: tuple[str, ...] = ("off", "ngram", "draft", "auto"),
                  sampled_methods: tuple[str, ...] = ("off", "ngram", "auto"), key_skew: float = 0.0) -> LoadRequest:
     """A random request: half greedy (any method), half seeded sampling (methods whose seeded
-    text equals plain decoding's: README, Sampling). API key i is drawn with weight 1/(i+1)**key_skew
+    text equals plain decoding's: docs/usage.md, Sampling). API key i is drawn with weight 1/(i+1)**key_skew
     (0: uniformly; 1: a few keys send most requests, as real tenants do)."""
     greedy = rng.random() < 0.5
     key = rng.choices(range(api_keys), weights=[1 / (i + 1) ** key_skew for i in range(api_keys)])[0]
@@ -108,7 +108,7 @@ def fake_expected(request: LoadRequest) -> Expected:
 
 def used_the_draft_model(choices: dict) -> bool:
     """Rounds drafted by the draft model (or a hybrid): a seeded sampled text then legitimately
-    differs from plain decoding's (README, Sampling), so it cannot be checked against it."""
+    differs from plain decoding's (docs/usage.md, Sampling), so it cannot be checked against it."""
     return any(choice.startswith(("draft", "hybrid")) for choice in choices)
 
 

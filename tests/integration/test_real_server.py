@@ -101,7 +101,7 @@ def test_more_streams_than_slots_with_auto_and_seeded_sampling_equal_each_reques
             (request, first.problem, second.problem)
         assert first.text and first.completion_tokens > 0
         if request.temperature > 0 and (used_the_draft_model(first.choices) or used_the_draft_model(second.choices)):
-            unchecked += 1  # auto sampled with the draft model: equally likely, not the same text (README)
+            unchecked += 1  # auto sampled with the draft model: equally likely, not the same text (docs/usage.md, Sampling)
             continue
         assert second.text == first.text, request
         assert second.completion_tokens == first.completion_tokens
