@@ -88,7 +88,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     at a time, in rounds; print one JSON line per configuration, then a table and the exact one to
     default to."""
     from specdec import runtime
-    from specdec.machine_profile import choose, format_table, measure_configs, parse_configs, save_profile, saved_choice
+    from specdec.machine_profile import (choose, format_table, measure_configs, parse_backend_configs, save_profile,
+                                         saved_choice)
 
     if args.rounds is not None and args.rounds < 1:
         raise SpecdecError("--rounds must be at least 1.")
@@ -99,7 +100,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 0
     models = runtime.model_config(args)
-    configs = parse_configs(args.configs) if args.configs else [models.backend]
+    configs = parse_backend_configs(args.configs) if args.configs else [models.backend]
     if args.if_missing and sum(config.exact for config in configs) < 2:
         print("specdec calibrate: fewer than two exact configurations installed; nothing to choose between",
               file=sys.stderr)

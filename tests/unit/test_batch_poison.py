@@ -16,7 +16,7 @@ from specdec.client import batch
 from specdec.client.batch import (
     MAX_INT_DIGITS,
     MAX_NESTING,
-    RunSettings,
+    BatchSettings,
     read_input,
     read_results,
     run_batch,
@@ -51,7 +51,7 @@ def run(server, items, out, **settings):
     async def main_():
         async with AsyncClient(server.base_url, sleep=no_wait, rng=random.Random(0), retry=RetryPolicy(max_attempts=2),
                                timeouts=Timeouts(total=5.0)) as client:
-            return await run_batch(client, items, out, RunSettings(model=MODEL, concurrency=2, **settings))
+            return await run_batch(client, items, out, BatchSettings(model=MODEL, concurrency=2, **settings))
 
     return asyncio.run(main_())
 

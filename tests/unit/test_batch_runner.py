@@ -12,15 +12,15 @@ from fakes.openai_server import FakeServer, FakeServerConfig
 from specdec.client import AsyncClient, RetryPolicy, Timeouts
 from specdec.client.batch import (
     BatchItem,
-    RunSettings,
+    BatchSettings,
     id_key,
     read_input,
     ResultWriter,
     read_results,
-    repair_torn_tail,
     request_body,
     run_batch,
 )
+from specdec.client.jsonl import repair_torn_tail
 from specdec.types import SpecdecError
 
 pytestmark = pytest.mark.timeout(30)
@@ -47,7 +47,7 @@ def run(server, items, out, *, concurrency=4, max_attempts=3, total_timeout=0.4,
     async def main():
         async with AsyncClient(server.base_url, sleep=no_wait, rng=random.Random(0),
                                retry=RetryPolicy(max_attempts=max_attempts), timeouts=Timeouts(total=total_timeout)) as client:
-            return await run_batch(client, items, out, RunSettings(model=MODEL, concurrency=concurrency, **settings))
+            return await run_batch(client, items, out, BatchSettings(model=MODEL, concurrency=concurrency, **settings))
 
     return asyncio.run(main())
 
@@ -120,9 +120,9 @@ def test_ids_1_and_string_1_are_distinct(tmp_path):
 
 def test_request_body_merges_run_settings_and_line_fields():
     item = BatchItem("x", 1, "chat", {"messages": [], "max_tokens": 3, "speculative_decoding": False})
-    body = request_body(item, RunSettings(model="m", max_tokens=64, temperature=0.0, speculative="ngram"))
+    body = request_body(item, BatchSettings(model="m", max_tokens=64, temperature=0.0, speculative="ngram"))
     assert body == {"model": "m", "max_tokens": 3, "temperature": 0.0, "speculative_decoding": False, "messages": []}
-    forced = request_body(item, RunSettings(model="m", speculative="on", force_speculative=True))
+    forced = request_body(item, BatchSettings(model="m", speculative="on", force_speculative=True))
     assert forced["speculative_decoding"] is True
 
 

@@ -12,7 +12,7 @@ import pytest
 from specdec.backends.fake import FakeBackend
 from specdec.cli import main
 from specdec.client import AsyncClient, RetryPolicy
-from specdec.client.batch import RunSettings, read_input, read_results, run_batch
+from specdec.client.batch import BatchSettings, read_input, read_results, run_batch
 from specdec.engine.engine import Engine
 from specdec.server import ServerConfig, create_app
 from specdec.server.testing import serve_in_thread
@@ -66,7 +66,7 @@ def test_overloaded_server_every_request_once(tmp_path):
 
     async def run(url):
         async with AsyncClient(url + "/v1", sleep=short_sleep, retry=RetryPolicy(max_attempts=60)) as client:
-            settings = RunSettings(model=MODEL, max_tokens=16, temperature=0.0, concurrency=len(items))
+            settings = BatchSettings(model=MODEL, max_tokens=16, temperature=0.0, concurrency=len(items))
             return await run_batch(client, items, tmp_path / "out.jsonl", settings)
 
     with serve(n_slots=1, max_queue=1) as (url, _):

@@ -9,7 +9,7 @@ import pytest
 
 from specdec.backends.fake import FakeBackend
 from specdec.bench.cli import add_arguments, run_bench
-from specdec.bench.runner import BenchConfig, first_difference, parse_configs
+from specdec.bench.runner import BenchConfig, first_difference, parse_bench_configs
 from specdec.engine.engine import Engine
 from specdec.types import DEFAULT_NUM_DRAFT_TOKENS, SpecdecError
 
@@ -63,14 +63,14 @@ def read_records(tmp_path):
     return [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
 
 
-def test_parse_configs_labels_and_always_runs_off_first():
-    assert parse_configs(["ngram"]) == [BenchConfig("off", "off", 0), BenchConfig("ngram", "ngram", DEFAULT_NUM_DRAFT_TOKENS)]
-    labels = [c.label for c in parse_configs(["ngram", "draft:k2", "off"], [2, 4])]
+def test_parse_bench_configs_labels_and_always_runs_off_first():
+    assert parse_bench_configs(["ngram"]) == [BenchConfig("off", "off", 0), BenchConfig("ngram", "ngram", DEFAULT_NUM_DRAFT_TOKENS)]
+    labels = [c.label for c in parse_bench_configs(["ngram", "draft:k2", "off"], [2, 4])]
     assert labels == ["off", "ngram:k2", "ngram:k4", "draft:k2"]
     with pytest.raises(SpecdecError, match="unknown method"):
-        parse_configs(["eagle"])
+        parse_bench_configs(["eagle"])
     with pytest.raises(SpecdecError, match="ngram:k4"):
-        parse_configs(["ngram:4"])
+        parse_bench_configs(["ngram:4"])
 
 
 def test_first_difference():

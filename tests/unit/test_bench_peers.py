@@ -15,7 +15,7 @@ from specdec.bench.peers import (HF_NOT_GIVEN, HF_NOT_INSTALLED, NOT_GIVEN, RUN,
                                  peer_status, run_llama_server)
 from specdec.bench.records import RecordFile
 from specdec.bench.report import build_report
-from specdec.bench.runner import RunSettings
+from specdec.bench.runner import BenchSettings
 from specdec.types import SpecdecError
 
 FAKE_SERVER = textwrap.dedent('''
@@ -103,7 +103,7 @@ def test_server_command_has_the_speculative_flags():
 
 def test_llama_server_is_run_on_the_same_prompts_and_reported(tmp_path):
     binary, log = fake_binary(tmp_path)
-    settings = RunSettings(max_tokens=16, temperature=0.0, repeats=1, warmup=1)
+    settings = BenchSettings(max_tokens=16, temperature=0.0, repeats=1, warmup=1)
     with RecordFile(tmp_path / "records.jsonl") as records:
         counts = run_llama_server(str(binary), PROMPTS, [3], settings, records, "t.gguf", "d.gguf",
                                   tmp_path / "logs", progress=False, startup_timeout=30, ngram_ks=[2])
@@ -150,7 +150,7 @@ def test_llama_server_is_run_on_the_same_prompts_and_reported(tmp_path):
 
 def test_a_server_that_does_not_start_gives_error_records(tmp_path):
     binary, _ = fake_binary(tmp_path, body="import sys\nsys.exit(3)\n")
-    settings = RunSettings(max_tokens=8, warmup=0)
+    settings = BenchSettings(max_tokens=8, warmup=0)
     with RecordFile(tmp_path / "records.jsonl") as records:
         counts = run_llama_server(str(binary), PROMPTS, [], settings, records, "t.gguf", None,
                                   tmp_path / "logs", progress=False, startup_timeout=30)

@@ -116,3 +116,21 @@ def test_an_interrupted_run_keeps_its_records_and_writes_a_partial_report(tmp_pa
     assert len(keys(tmp_path / "out" / "records.jsonl")) == 4
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["summary"]["overall"]["off"]["succeeded"] == 2
+
+
+def test_a_whole_last_line_that_is_not_a_record_is_cut_on_resume(tmp_path):
+    path = tmp_path / "records.jsonl"
+    good = json.dumps({"prompt_id": "a", "config": "off", "repeat": 0}) + "\n"
+    path.write_text(good + "\x00\x00\x00\n")  # a crash can leave garbage that ends in a newline
+    with RecordFile(path, resume=True) as records:
+        assert records.dropped_torn_line and len(records.records) == 1
+    assert path.read_text() == good
+
+
+def test_two_runs_cannot_append_to_one_record_file(tmp_path):
+    path = tmp_path / "records.jsonl"
+    with RecordFile(path):
+        with pytest.raises(SpecdecError, match="another benchmark is writing"):
+            RecordFile(path, resume=True)
+    with RecordFile(path, resume=True) as records:  # the lock went with the first
+        assert records.records == []

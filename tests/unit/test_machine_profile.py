@@ -19,8 +19,8 @@ from specdec.cli import build_parser, main
 from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
 from specdec.machine_profile import (MAX_SAVED_COST_MODELS, best_speculative_rate, choose,
-                                     cost_models_path, load_or_calibrate, parse_configs, profile_entry, profile_path,
-                                     save_cost_model, save_profile, saved_choice, saved_cost_model)
+                                     cost_models_path, load_or_calibrate, parse_backend_configs, profile_entry,
+                                     profile_path, save_cost_model, save_profile, saved_choice, saved_cost_model)
 from specdec.types import SpecdecError
 
 
@@ -74,15 +74,15 @@ def test_configuration_labels_parse_and_round_trip(monkeypatch):
                 "torch:repacked"):
         with pytest.raises(SpecdecError):
             BackendConfig.parse(bad)
-    assert parse_configs("llama.cpp, torch:float32,llama.cpp") == [BackendConfig("llama.cpp"),
+    assert parse_backend_configs("llama.cpp, torch:float32,llama.cpp") == [BackendConfig("llama.cpp"),
                                                                    BackendConfig("torch", "float32")]
     only_installed(monkeypatch, "llama.cpp", "ik_llama.cpp")
-    assert [c.label for c in parse_configs("all")] == ["ik_llama.cpp", "ik_llama.cpp:inexact", "ik_llama.cpp:repacked",
+    assert [c.label for c in parse_backend_configs("all")] == ["ik_llama.cpp", "ik_llama.cpp:inexact", "ik_llama.cpp:repacked",
                                                        "ik_llama.cpp:repacked:inexact", "llama.cpp", "llama.cpp:inexact"]
-    assert [c.label for c in parse_configs("exact")] == ["ik_llama.cpp", "ik_llama.cpp:repacked", "llama.cpp"]
+    assert [c.label for c in parse_backend_configs("exact")] == ["ik_llama.cpp", "ik_llama.cpp:repacked", "llama.cpp"]
     only_installed(monkeypatch)
     with pytest.raises(SpecdecError, match="no backend is installed"):
-        parse_configs("all")
+        parse_backend_configs("all")
 
 
 def entry(label, step, per_token, draft_step=0.005, min_rows=1):

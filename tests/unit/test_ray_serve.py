@@ -28,7 +28,7 @@ openai = pytest.importorskip("openai")
 from fakes.scrape import by_replica, families_of, replicas_of  # noqa: E402
 
 from specdec.client import AsyncClient, RetryPolicy  # noqa: E402
-from specdec.client.batch import RunSettings, read_input, read_results, run_batch  # noqa: E402
+from specdec.client.batch import BatchSettings, read_input, read_results, run_batch  # noqa: E402
 from specdec.deploy.app import DEPLOYMENT_NAME, build_application  # noqa: E402
 from specdec.deploy.cli import APP_NAME, replica_spec, scale_config  # noqa: E402
 from specdec.deploy.metrics import EXPIRY_INTERVALS, PUSH_INTERVAL_SECONDS  # noqa: E402
@@ -303,7 +303,7 @@ def test_batch_with_a_replica_killed_mid_run_ends_with_every_id_once(endpoint, t
         async with AsyncClient(endpoint + "/v1", api_key="batch-key", sleep=short_sleep,
                                retry=RetryPolicy(max_attempts=30)) as batch_client:
             victim = await asyncio.to_thread(served_by, endpoint, "batch-key")  # the batch's key lives there
-            settings = RunSettings(model=MODEL, temperature=0.0, concurrency=8)  # 8 in flight: both replicas full
+            settings = BatchSettings(model=MODEL, temperature=0.0, concurrency=8)  # 8 in flight: both replicas full
             batch = asyncio.create_task(run_batch(batch_client, items, out, settings))
             while not out.exists() or len(out.read_text().splitlines()) < 4:  # a tenth done: kill one
                 await asyncio.sleep(0.05)

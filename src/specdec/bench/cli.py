@@ -24,7 +24,8 @@ from specdec.bench.peers import (HF_ASSISTED, LLAMA_SERVER, RUN, parse_peers, pe
                                  run_llama_server)
 from specdec.bench.records import RECORDS_FILE, RecordFile
 from specdec.bench.report import build_report
-from specdec.bench.runner import SOURCE, Runner, RunSettings, compared_source, on_backend, parse_configs, pending
+from specdec.bench.runner import (SOURCE, BenchSettings, Runner, compared_source, on_backend, parse_bench_configs,
+                                  pending)
 from specdec.types import DEFAULT_NUM_DRAFT_TOKENS, SpecdecError
 
 META_FILE = "meta.json"
@@ -145,12 +146,12 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
         ks = [int(k) for k in _split([args.num_draft_tokens])] if args.num_draft_tokens else None
     except ValueError:
         raise SpecdecError("--num-draft-tokens takes comma-separated integers, e.g. 2,4.") from None
-    own = parse_configs(_split([args.methods]), ks)
+    own = parse_bench_configs(_split([args.methods]), ks)
     compare = list(dict.fromkeys(_split(args.compare_backend)))
     for backend in compare:
         if BackendConfig.parse(backend).label == models.backend.label:  # an unknown name fails here, before loading
             raise SpecdecError(f"--compare-backend {backend} is already the backend measured.")
-    theirs = parse_configs(_split([args.compare_methods]), ks) if args.compare_methods is not None else own
+    theirs = parse_bench_configs(_split([args.compare_methods]), ks) if args.compare_methods is not None else own
     configs = own + [config for backend in compare for config in on_backend(theirs, backend)]
     need_draft = any(c.method in ("draft", "auto") for c in configs)
     if need_draft and args.no_draft:
@@ -159,7 +160,7 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
         models = models.without_draft()  # load the draft model only when a draft configuration runs
     prompts = load_prompts(args.dataset, _split(args.categories) or None, args.per_category)
     peers = parse_peers(args.peer)
-    settings = RunSettings(args.max_tokens, args.temperature, args.repeats, args.warmup, args.seed, args.tenant_history)
+    settings = BenchSettings(args.max_tokens, args.temperature, args.repeats, args.warmup, args.seed, args.tenant_history)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -24,11 +23,11 @@ import urllib.request
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from specdec.bench.datasets import BenchPrompt
 from specdec.bench.records import RecordFile
-from specdec.bench.runner import BASELINE, WARMUP_MAX_TOKENS, RunSettings
+from specdec.bench.runner import BASELINE, WARMUP_MAX_TOKENS, BenchSettings
 from specdec.types import SpecdecError
 
 log = logging.getLogger(__name__)
@@ -75,12 +74,6 @@ def torch_installed() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass(frozen=True)
 class ServerOptions:
     binary: str
@@ -111,6 +104,8 @@ class LlamaServer:
         self.options = options
         self.log_path = Path(log_path)
         self.startup_timeout = startup_timeout
+        from specdec.server.testing import free_port  # here: specdec.server loads the whole app
+
         self.port = free_port()
         self.process: Optional[subprocess.Popen] = None
 
@@ -190,6 +185,63 @@ def peer_record(prompt: BenchPrompt, label: str, method: str, k: int, repeat: in
     }
 
 
+@dataclass(frozen=True)
+class PeerRun:
+    """One peer configuration: its label, the method it mirrors, its K and the peer's own options
+    (llama-server: the draft model and --spec-type; hf-assisted: generate's extra arguments)."""
+
+    label: str
+    method: str
+    k: int
+    options: dict
+
+    def record(self, prompt: BenchPrompt, repeat: int, source: str) -> dict:
+        return peer_record(prompt, self.label, self.method, self.k, repeat, source)
+
+
+def unrecorded(prompts: Sequence[BenchPrompt], run: PeerRun, repeats: int,
+               records: RecordFile) -> list[tuple[BenchPrompt, int]]:
+    """The (prompt, repeat) of `run` not yet in the record file."""
+    return [(p, r) for p in prompts for r in range(repeats) if (p.id, run.label, r) not in records]
+
+
+def record_failures(source: str, run: PeerRun, todo: Sequence[tuple[BenchPrompt, int]], error: str,
+                    records: RecordFile, counts: dict) -> None:
+    """One failed record per (prompt, repeat) of `todo`: the peer could not run `run` at all."""
+    for prompt, repeat in todo:
+        record = run.record(prompt, repeat, source)
+        record["error"] = error
+        records.append(record)
+        counts["failed"] += 1
+
+
+def measure_peer(source: str, run: PeerRun, todo: Sequence[tuple[BenchPrompt, int]], settings: BenchSettings,
+                 warm_up: Callable[[], object], measure: Callable[[dict, BenchPrompt, int], None],
+                 records: RecordFile, counts: dict, unit: str, progress: bool) -> None:
+    """The measurement loop of every peer configuration: `settings.warmup` unrecorded warm-ups, then
+    one record per (prompt, repeat) of `todo`, appended as soon as it is measured. `measure(record,
+    prompt, repeat)` fills a fresh record; what it raises becomes the record's error."""
+    from tqdm import tqdm
+
+    for _ in range(settings.warmup):
+        try:
+            warm_up()
+        except Exception as exc:
+            log.warning("%s warm-up of %s failed: %s", source, run.label, exc)
+    with tqdm(total=len(todo), unit=unit, desc=run.label, file=sys.stderr, disable=not progress,
+              dynamic_ncols=True) as bar:
+        for prompt, repeat in todo:
+            record = run.record(prompt, repeat, source)
+            try:
+                measure(record, prompt, repeat)
+            except Exception as exc:
+                record["error"] = f"{type(exc).__name__}: {exc}"
+                counts["failed"] += 1
+            records.append(record)
+            counts["measured"] += 1
+            bar.update(1)
+
+
 def stats_from_timings(timings: dict) -> dict:
     """llama-server's timings under the names the engine's stats use."""
     drafted = timings.get("draft_n")
@@ -212,7 +264,7 @@ def run_llama_server(
     binary: str,
     prompts: Sequence[BenchPrompt],
     draft_ks: Sequence[int],
-    settings: RunSettings,
+    settings: BenchSettings,
     records: RecordFile,
     target: str,
     draft: Optional[str],
@@ -225,69 +277,47 @@ def run_llama_server(
 ) -> dict:
     """Measure llama-server without speculation, with the draft model at each of draft_ks and with
     its prompt lookup at each of ngram_ks; one record per (prompt, config, repeat)."""
-    from tqdm import tqdm
-
-    runs = [(f"{LLAMA_SERVER}:off", "off", 0, None, None)]
+    runs = [PeerRun(f"{LLAMA_SERVER}:off", "off", 0, {"draft": None, "spec_type": None})]
     if draft is not None:
-        runs += [(f"{LLAMA_SERVER}:draft:k{k}", "draft", k, draft, "draft-simple") for k in draft_ks]
-    runs += [(f"{LLAMA_SERVER}:ngram:k{k}", "ngram", k, None, "ngram-simple") for k in ngram_ks]
+        runs += [PeerRun(f"{LLAMA_SERVER}:draft:k{k}", "draft", k, {"draft": draft, "spec_type": "draft-simple"})
+                 for k in draft_ks]
+    runs += [PeerRun(f"{LLAMA_SERVER}:ngram:k{k}", "ngram", k, {"draft": None, "spec_type": "ngram-simple"})
+             for k in ngram_ks]
     counts = {"measured": 0, "failed": 0}
     seed = None if settings.greedy else settings.seed
-    for label, method, k, draft_path, spec_type in runs:
-        todo = [(p, r) for p in prompts for r in range(settings.repeats) if (p.id, label, r) not in records]
+    for run in runs:
+        todo = unrecorded(prompts, run, settings.repeats, records)
         if not todo:
             continue
-        options = ServerOptions(binary, target, draft_path, k, ctx_size, threads, spec_type)
-        log_path = Path(log_dir) / f"{label.replace(':', '-')}.log"
+        options = ServerOptions(binary, target, run.options["draft"], run.k, ctx_size, threads, run.options["spec_type"])
+        log_path = Path(log_dir) / f"{run.label.replace(':', '-')}.log"
         try:
             server = LlamaServer(options, log_path, startup_timeout).start()
         except Exception as exc:
-            for prompt, repeat in todo:
-                record = peer_record(prompt, label, method, k, repeat)
-                record["error"] = f"llama-server did not start: {exc}"
-                records.append(record)
-                counts["failed"] += 1
+            record_failures(LLAMA_SERVER, run, todo, f"llama-server did not start: {exc}", records, counts)
             continue
+
+        def warm_up() -> None:
+            server.chat(list(prompts[0].messages), min(settings.max_tokens, WARMUP_MAX_TOKENS), settings.temperature,
+                        seed)
+
+        def measure(record: dict, prompt: BenchPrompt, repeat: int) -> None:
+            started = time.perf_counter()
+            response = server.chat(list(prompt.messages), settings.max_tokens, settings.temperature,
+                                   None if seed is None else seed + repeat)
+            record["wall_seconds"] = time.perf_counter() - started
+            choice = response["choices"][0]
+            timings = response.get("timings") or {}
+            record.update(success=True, text=choice["message"]["content"],
+                          finish_reason=choice.get("finish_reason"), timings=timings,
+                          stats=stats_from_timings(timings))
+            record["prompt_tokens"] = record["stats"]["prompt_tokens"]
+
         try:
-            for _ in range(settings.warmup):
-                try:
-                    server.chat(list(prompts[0].messages), min(settings.max_tokens, WARMUP_MAX_TOKENS), settings.temperature, seed)
-                except Exception as exc:
-                    log.warning("llama-server warm-up failed: %s", exc)
-            with tqdm(total=len(todo), unit="req", desc=label, file=sys.stderr, disable=not progress,
-                      dynamic_ncols=True) as bar:
-                for prompt, repeat in todo:
-                    record = peer_record(prompt, label, method, k, repeat)
-                    started = time.perf_counter()
-                    try:
-                        response = server.chat(list(prompt.messages), settings.max_tokens, settings.temperature,
-                                               None if seed is None else seed + repeat)
-                        record["wall_seconds"] = time.perf_counter() - started
-                        choice = response["choices"][0]
-                        timings = response.get("timings") or {}
-                        record.update(success=True, text=choice["message"]["content"],
-                                      finish_reason=choice.get("finish_reason"), timings=timings,
-                                      stats=stats_from_timings(timings))
-                        record["prompt_tokens"] = record["stats"]["prompt_tokens"]
-                    except Exception as exc:
-                        record["error"] = f"{type(exc).__name__}: {exc}"
-                        counts["failed"] += 1
-                    records.append(record)
-                    counts["measured"] += 1
-                    bar.update(1)
+            measure_peer(LLAMA_SERVER, run, todo, settings, warm_up, measure, records, counts, "req", progress)
         finally:
             server.stop()
     return counts
-
-
-@dataclass(frozen=True)
-class HfRun:
-    """One hf-assisted configuration: its label, the method it mirrors, its K and generate's extra arguments."""
-
-    label: str
-    method: str
-    k: int
-    options: dict
 
 
 class StreamClock:
@@ -322,16 +352,16 @@ def stats_from_stream(chunks: Sequence[tuple[float, int]], started: float, ended
     }
 
 
-def hf_runs(draft_ks: Sequence[int], ngram_ks: Sequence[int], ngram_max: int, with_draft: bool) -> list[HfRun]:
-    runs = [HfRun(f"{HF_ASSISTED}:off", "off", 0, {})]
+def hf_runs(draft_ks: Sequence[int], ngram_ks: Sequence[int], ngram_max: int, with_draft: bool) -> list[PeerRun]:
+    runs = [PeerRun(f"{HF_ASSISTED}:off", "off", 0, {})]
     if with_draft:
-        runs += [HfRun(f"{HF_ASSISTED}:draft:k{k}", "draft", k, {"num_assistant_tokens": k}) for k in draft_ks]
-    runs += [HfRun(f"{HF_ASSISTED}:ngram:k{k}", "ngram", k,
+        runs += [PeerRun(f"{HF_ASSISTED}:draft:k{k}", "draft", k, {"num_assistant_tokens": k}) for k in draft_ks]
+    runs += [PeerRun(f"{HF_ASSISTED}:ngram:k{k}", "ngram", k,
                    {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": ngram_max}) for k in ngram_ks]
     return runs
 
 
-def hf_generate(target, draft, prompt_ids: Sequence[int], run: HfRun, max_new_tokens: int, settings: RunSettings,
+def hf_generate(target, draft, prompt_ids: Sequence[int], run: PeerRun, max_new_tokens: int, settings: BenchSettings,
                 seed: Optional[int]) -> tuple[list[int], str, dict, float]:
     """One `model.generate` on a TorchBackend's model -> (token ids, finish reason, stats, wall seconds).
 
@@ -374,7 +404,7 @@ def run_hf_assisted(
     prompts: Sequence[BenchPrompt],
     draft_ks: Sequence[int],
     ngram_ks: Sequence[int],
-    settings: RunSettings,
+    settings: BenchSettings,
     records: RecordFile,
     target: str,
     draft: Optional[str],
@@ -385,13 +415,10 @@ def run_hf_assisted(
     progress: bool = True,
 ) -> dict:
     """Measure transformers' generate plain, assisted by the draft per K, and with prompt lookup per K."""
-    from tqdm import tqdm
-
     from specdec.backends.torch_backend import TorchBackend
 
     runs = hf_runs(draft_ks, ngram_ks, ngram_max, with_draft=draft is not None)
-    todo_of = {run.label: [(p, r) for p in prompts for r in range(settings.repeats) if (p.id, run.label, r) not in records]
-               for run in runs}
+    todo_of = {run.label: unrecorded(prompts, run, settings.repeats, records) for run in runs}
     counts = {"measured": 0, "failed": 0}
     if not any(todo_of.values()):
         return counts
@@ -403,11 +430,7 @@ def run_hf_assisted(
         for backend in loaded:
             backend.close()
         for run in runs:
-            for prompt, repeat in todo_of[run.label]:
-                record = peer_record(prompt, run.label, run.method, run.k, repeat, source=HF_ASSISTED)
-                record["error"] = f"loading the models failed: {exc}"
-                records.append(record)
-                counts["failed"] += 1
+            record_failures(HF_ASSISTED, run, todo_of[run.label], f"loading the models failed: {exc}", records, counts)
         return counts
     target_backend, draft_backend = loaded[0], (loaded[1] if len(loaded) > 1 else None)
 
@@ -416,36 +439,27 @@ def run_hf_assisted(
 
     try:
         for run in runs:
-            todo = todo_of[run.label]
-            if not todo:
+            if not todo_of[run.label]:
                 continue
-            for _ in range(settings.warmup):
-                try:
-                    hf_generate(target_backend, draft_backend, encode(prompts[0]), run,
-                                min(settings.max_tokens, WARMUP_MAX_TOKENS), settings, settings.seed)
-                except Exception as exc:
-                    log.warning("hf-assisted warm-up of %s failed: %s", run.label, exc)
-            with tqdm(total=len(todo), unit="gen", desc=run.label, file=sys.stderr, disable=not progress,
-                      dynamic_ncols=True) as bar:
-                for prompt, repeat in todo:
-                    record = peer_record(prompt, run.label, run.method, run.k, repeat, source=HF_ASSISTED)
-                    try:
-                        prompt_ids = encode(prompt)
-                        record["prompt_tokens"] = len(prompt_ids)
-                        seed = None if settings.greedy else settings.seed + repeat
-                        tokens, finish, stats, wall = hf_generate(target_backend, draft_backend, prompt_ids, run,
-                                                                  settings.max_tokens, settings, seed)
-                        record.update(success=True, output_token_ids=tokens, text=target_backend.detokenize(tokens),
-                                      finish_reason=finish, wall_seconds=wall, stats=stats)
-                        off = records.find((prompt.id, BASELINE, repeat))
-                        if settings.greedy and off is not None and off.get("success"):
-                            record["matches_specdec_off"] = off["output_token_ids"] == tokens
-                    except Exception as exc:
-                        record["error"] = f"{type(exc).__name__}: {exc}"
-                        counts["failed"] += 1
-                    records.append(record)
-                    counts["measured"] += 1
-                    bar.update(1)
+
+            def warm_up() -> None:
+                hf_generate(target_backend, draft_backend, encode(prompts[0]), run,
+                            min(settings.max_tokens, WARMUP_MAX_TOKENS), settings, settings.seed)
+
+            def measure(record: dict, prompt: BenchPrompt, repeat: int) -> None:
+                prompt_ids = encode(prompt)
+                record["prompt_tokens"] = len(prompt_ids)
+                seed = None if settings.greedy else settings.seed + repeat
+                tokens, finish, stats, wall = hf_generate(target_backend, draft_backend, prompt_ids, run,
+                                                          settings.max_tokens, settings, seed)
+                record.update(success=True, output_token_ids=tokens, text=target_backend.detokenize(tokens),
+                              finish_reason=finish, wall_seconds=wall, stats=stats)
+                off = records.find((prompt.id, BASELINE, repeat))
+                if settings.greedy and off is not None and off.get("success"):
+                    record["matches_specdec_off"] = off["output_token_ids"] == tokens
+
+            measure_peer(HF_ASSISTED, run, todo_of[run.label], settings, warm_up, measure, records, counts, "gen",
+                         progress)
     finally:
         for backend in loaded:
             backend.close()

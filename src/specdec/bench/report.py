@@ -22,6 +22,8 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from specdec.client.tables import markdown_table, percentiles
+
 BASELINE = "off"
 OVERALL = "overall"
 OWN_SOURCE = "specdec"
@@ -52,8 +54,8 @@ def spread(values: Sequence[float]) -> dict:
     """Median, quartiles (linear interpolation), min, max and mean; None for each when empty."""
     if not len(values):
         return {key: None for key in ("median", "p25", "p75", "min", "max", "mean")}
-    p25, median, p75 = np.percentile(np.asarray(values, dtype=np.float64), [25, 50, 75])
-    return {"median": float(median), "p25": float(p25), "p75": float(p75),
+    p25, median, p75 = percentiles(values, (25, 50, 75))
+    return {"median": median, "p25": p25, "p75": p75,
             "min": float(min(values)), "max": float(max(values)), "mean": float(np.mean(values))}
 
 
@@ -259,22 +261,19 @@ def _range(d: dict, low: str, high: str) -> str:
 
 
 def _table(summary: dict) -> list[str]:
-    lines = [
-        "| config | n | decode tok/s median | IQR | min–max | speedup (mean tok/s) | speedup (median per-prompt) "
-        "| wall s (mean) | e2e speedup | mean acc. length | acc. rate | identical to off |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["config", "n", "decode tok/s median", "IQR", "min–max", "speedup (mean tok/s)",
+              "speedup (median per-prompt)", "wall s (mean)", "e2e speedup", "mean acc. length", "acc. rate",
+              "identical to off"]
+    rows = []
     for config, row in summary.items():
         tps = row["decode_tps"]
         n = f"{row['succeeded']}" + (f" ({row['failed']} failed)" if row["failed"] else "")
         identical = "—" if config == BASELINE or not row["compared_with_off"] else f"{row['identical_to_off']}/{row['compared_with_off']}"
-        lines.append(
-            f"| {config} | {n} | {_fmt(tps['median'])} | {_range(tps, 'p25', 'p75')} | {_range(tps, 'min', 'max')} "
-            f"| {_fmt(row['speedup_mean'], '.2f', '×')} | {_fmt(row['speedup_median'], '.2f', '×')} "
-            f"| {_fmt(row['wall_seconds']['mean'])} | {_fmt(row['e2e_speedup'], '.2f', '×')} "
-            f"| {_fmt(row['mean_acceptance_length'])} | {_fmt(row['acceptance_rate'])} | {identical} |"
-        )
-    return lines
+        rows.append([config, n, _fmt(tps["median"]), _range(tps, "p25", "p75"), _range(tps, "min", "max"),
+                     _fmt(row["speedup_mean"], ".2f", "×"), _fmt(row["speedup_median"], ".2f", "×"),
+                     _fmt(row["wall_seconds"]["mean"]), _fmt(row["e2e_speedup"], ".2f", "×"),
+                     _fmt(row["mean_acceptance_length"]), _fmt(row["acceptance_rate"]), identical])
+    return markdown_table(header, rows)
 
 
 def _decisions(report: dict) -> list[str]:
@@ -282,8 +281,7 @@ def _decisions(report: dict) -> list[str]:
     adaptive = [c for c in report["configs"] if c.split(":")[0] == "auto"]
     if not adaptive:
         return ["No adaptive configuration in this run."]
-    lines = ["| config | category | rounds | choices (share of rounds) "
-             "| per source: rounds, mean acc. length, acc. rate |", "|---|---|---|---|---|"]
+    rows = []
     for config in adaptive:
         for category in [*report["categories"], OVERALL]:
             summary = report["summary"][category].get(config, {})
@@ -292,8 +290,9 @@ def _decisions(report: dict) -> list[str]:
             shares = ", ".join(f"{choice} {count / total:.1%}" for choice, count in choices.items()) if total else "—"
             per_source = "; ".join(f"{source} {s['rounds']}, {s['mean_acceptance_length']:.2f}, {s['acceptance_rate']:.2f}"
                                    for source, s in (summary.get("sources") or {}).items()) or "—"
-            lines.append(f"| {config} | {category} | {total} | {shares} | {per_source} |")
-    return lines
+            rows.append([config, category, total, shares, per_source])
+    return markdown_table(["config", "category", "rounds", "choices (share of rounds)",
+                           "per source: rounds, mean acc. length, acc. rate"], rows)
 
 
 def render_markdown(report: dict) -> str:
@@ -313,26 +312,23 @@ def render_markdown(report: dict) -> str:
         lines += _table(report["summary"][category])
     lines += ["", "## Decisions (rounds per proposal: source and length, or none)", ""]
     lines += _decisions(report)
-    lines += ["", "## Peers (same prompts, same run)", "",
-              "| peer | config | n | decode tok/s median | IQR | speedup vs its no-draft run (mean tok/s) "
-              "| (median per-prompt) | speedup vs specdec off | acc. rate | text identical to its no-draft run |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    peer_rows = []
     for peer, info in report["peers"].items():
         if not info["configs"]:
-            lines.append(f"| {peer} | — | — | {info['status']} | — | — | — | — | — | — |")
+            peer_rows.append([peer, "—", "—", info["status"], *["—"] * 6])
         for config, row in info["configs"].items():
             tps = row["decode_tps"]
             n = f"{row['succeeded']}" + (f" ({row['failed']} failed)" if row["failed"] else "")
             # Its own no-draft run is the reference, compared with nothing: "—", not "0/—".
             identical = (f"{row['identical_text_to_own_off']}/{row['compared_with_own_off']}"
                          if row["compared_with_own_off"] else "—")
-            lines.append(
-                f"| {peer} | {config} | {n} | {_fmt(tps['median'])} | {_range(tps, 'p25', 'p75')} "
-                f"| {_fmt(row['speedup_mean'], '.2f', '×')} | {_fmt(row['speedup_median'], '.2f', '×')} "
-                f"| {_fmt(row['speedup_vs_specdec_off'], '.2f', '×')} "
-                f"| {_fmt(row['acceptance_rate'])} "
-                f"| {identical} |"
-            )
+            peer_rows.append([peer, config, n, _fmt(tps["median"]), _range(tps, "p25", "p75"),
+                              _fmt(row["speedup_mean"], ".2f", "×"), _fmt(row["speedup_median"], ".2f", "×"),
+                              _fmt(row["speedup_vs_specdec_off"], ".2f", "×"), _fmt(row["acceptance_rate"]), identical])
+    lines += ["", "## Peers (same prompts, same run)", ""]
+    lines += markdown_table(["peer", "config", "n", "decode tok/s median", "IQR",
+                             "speedup vs its no-draft run (mean tok/s)", "(median per-prompt)", "speedup vs specdec off",
+                             "acc. rate", "text identical to its no-draft run"], peer_rows)
     lines += ["", "## Greedy output equality vs off", ""]
     diffs = report["differences"]
     if meta.get("temperature", 0) > 0:
@@ -340,16 +336,16 @@ def render_markdown(report: dict) -> str:
     elif not diffs:
         lines.append("Every successful output is identical to off, token for token.")
     else:
-        lines += ["| prompt | category | config | repeat | first differing position | off token | config token | target logit margin |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for d in diffs:
-            lines.append(f"| {d['prompt_id']} | {d['category']} | {d['config']} | {d['repeat']} | {d['first_diff_position']} "
-                         f"| {_fmt(d['off_token'], 'd')} | {_fmt(d['token'], 'd')} | {_fmt(d['target_logit_margin'], '.4f')} |")
+        lines += markdown_table(["prompt", "category", "config", "repeat", "first differing position", "off token",
+                                 "config token", "target logit margin"],
+                                [[d["prompt_id"], d["category"], d["config"], d["repeat"], d["first_diff_position"],
+                                  _fmt(d["off_token"], "d"), _fmt(d["token"], "d"), _fmt(d["target_logit_margin"], ".4f")]
+                                 for d in diffs])
     if report["failures"]:
-        lines += ["", "## Failures", "", "| source | prompt | config | repeat | error |", "|---|---|---|---|---|"]
-        for f in report["failures"]:
-            error = str(f["error"]).replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {f['source'] or OWN_SOURCE} | {f['prompt_id']} | {f['config']} | {f['repeat']} | {error} |")
+        lines += ["", "## Failures", ""]
+        lines += markdown_table(["source", "prompt", "config", "repeat", "error"],
+                                [[f["source"] or OWN_SOURCE, f["prompt_id"], f["config"], f["repeat"],
+                                  str(f["error"]).replace("|", "\\|").replace("\n", " ")] for f in report["failures"]])
     lines += ["", "## Charts", "", f"![speedup per category]({SPEEDUP_CHART})", "",
               f"![acceptance length histogram]({ACCEPTANCE_CHART})", "", "## Columns", ""]
     lines += [f"- {key}: {text}" for key, text in DEFINITIONS.items()]

@@ -73,7 +73,9 @@ def on_backend(configs: Sequence[BenchConfig], backend: str) -> list[BenchConfig
 
 
 @dataclass(frozen=True)
-class RunSettings:
+class BenchSettings:
+    """What every measured generation of a `specdec bench` run shares, and how often it runs."""
+
     max_tokens: int = 128
     temperature: float = 0.0
     repeats: int = 1
@@ -86,7 +88,7 @@ class RunSettings:
         return self.temperature <= 0.0
 
 
-def parse_configs(
+def parse_bench_configs(
     methods: Sequence[str],
     num_draft_tokens: Optional[Sequence[int]] = None,
     default_k: int = DEFAULT_NUM_DRAFT_TOKENS,
@@ -183,7 +185,7 @@ class Runner:
         self,
         engine,
         configs: Sequence[BenchConfig],
-        settings: RunSettings,
+        settings: BenchSettings,
         records: RecordFile,
         clock: Callable[[], float] = time.perf_counter,
         progress: bool = True,

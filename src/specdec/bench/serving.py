@@ -32,8 +32,9 @@ from typing import Optional, Sequence
 import httpx
 
 from specdec.bench.datasets import BenchPrompt
-from specdec.bench.peers import LlamaServer, ServerOptions, free_port
+from specdec.bench.peers import LlamaServer, ServerOptions
 from specdec.client.structured import schema_valid
+from specdec.client.tables import markdown_table
 from specdec.types import SpecdecError
 
 STARTUP_SECONDS = 900.0  # a fresh specdec serve may calibrate first
@@ -49,6 +50,7 @@ class ServedConfig:
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    """Nearest rank (a value that occurred), not client/tables.py's interpolation: its published tables used this."""
     if not values:
         return None
     ordered = sorted(values)
@@ -188,23 +190,26 @@ def format_table(rows: Sequence[dict]) -> str:
     def cell(value, digits=2):
         return "—" if value is None else f"{value:.{digits}f}"
 
-    lines = ["| config | streams | aggregate tok/s | decode tok/s per stream, median (IQR) | streams x median decode | "
-             "engine's own decode tok/s | TTFT p50/p95 s | chunk gap p50/p95 ms | texts as at 1 stream | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        gaps = "—" if r["chunk_gap_p50"] is None else f"{r['chunk_gap_p50'] * 1e3:.0f}/{r['chunk_gap_p95'] * 1e3:.0f}"
-        lines.append(f"| {r['config']} | {r['level']} | {cell(r['aggregate_tokens_per_second'])} | "
-                     f"{cell(r['decode_tokens_per_second_median'])} ({cell(r['decode_tokens_per_second_p25'])}–"
-                     f"{cell(r['decode_tokens_per_second_p75'])}) | {cell(r['aggregate_decode_tokens_per_second'])} | "
-                     f"{cell(r['server_decode_tokens_per_second_median'])} | "
-                     f"{cell(r['ttft_p50'])}/{cell(r['ttft_p95'])} | {gaps} | {r['texts_as_one_stream']} | {r['errors']} |")
-    return "\n".join(lines)
+    def gaps(r: dict) -> str:
+        return "—" if r["chunk_gap_p50"] is None else f"{r['chunk_gap_p50'] * 1e3:.0f}/{r['chunk_gap_p95'] * 1e3:.0f}"
+
+    header = ["config", "streams", "aggregate tok/s", "decode tok/s per stream, median (IQR)", "streams x median decode",
+              "engine's own decode tok/s", "TTFT p50/p95 s", "chunk gap p50/p95 ms", "texts as at 1 stream", "errors"]
+    return "\n".join(markdown_table(header, [
+        [r["config"], r["level"], cell(r["aggregate_tokens_per_second"]),
+         f"{cell(r['decode_tokens_per_second_median'])} ({cell(r['decode_tokens_per_second_p25'])}–"
+         f"{cell(r['decode_tokens_per_second_p75'])})", cell(r["aggregate_decode_tokens_per_second"]),
+         cell(r["server_decode_tokens_per_second_median"]), f"{cell(r['ttft_p50'])}/{cell(r['ttft_p95'])}", gaps(r),
+         r["texts_as_one_stream"], r["errors"]]
+        for r in rows]))
 
 
 class SpecdecServer:
     """`specdec serve` in a subprocess on a free port, until stopped."""
 
     def __init__(self, slots: int, extra_args: Sequence[str], log_path: Path):
+        from specdec.server.testing import free_port  # here: specdec.server loads the whole app
+
         self.port = free_port()
         self.log_path = log_path
         self.command = [sys.executable, "-m", "specdec.cli", "serve", "--port", str(self.port),

@@ -10,10 +10,11 @@ written as JSON (see `unwritable_record`) each become an error record, and the r
 
 Results are appended one line at a time, flushed and fsynced, by one run at a time (an exclusive
 lock on the file). Opening the results file cuts a torn last line (a run killed mid-write), so
-appending always starts on a fresh line. An id with a successful line (`error` null) is done and
-skipped by a rerun; failed ids (and bad input lines) are tried again and their new line is
-appended. So a run killed at any moment and rerun ends with every id done exactly once, and the
-file holds the history (earlier failures stay, the success is the line that counts).
+appending always starts on a fresh line (the shared JSONL store, client/jsonl.py). An id with a
+successful line (`error` null) is done and skipped by a rerun; failed ids (and bad input lines)
+are tried again and their new line is appended. So a run killed at any moment and rerun ends
+with every id done exactly once, and the file holds the history (earlier failures stay, the
+success is the line that counts).
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import asyncio
 import codecs
 import json
 import math
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -29,19 +29,14 @@ from pathlib import Path
 from typing import Iterable, Optional, Union
 
 from specdec.client.http import APIError, AsyncClient, Completion, request_fields, speculative_decoding_field
+from specdec.client.jsonl import RECORD_ERRORS, JsonlStore, read_lines
 from specdec.client.structured import schema_valid
 from specdec.types import SpecdecError
-
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory lock
-    fcntl = None
 
 RUNNER_FIELDS = ("stream", "stream_options")  # set by the runner, dropped from input lines
 MAX_REPORTED_BAD_LINES = 3
 MAX_INT_DIGITS = 100  # an integer in an input line has at most this many digits (ids, seeds, ...)
 MAX_NESTING = 100  # arrays and objects in an input line nest at most this deep
-RECORD_ERRORS = (ValueError, TypeError, RecursionError)  # what encoding a record that JSON cannot hold raises
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _BRACKET = re.compile(r"[\[\]{}]")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads pairs valid escapes, so any left is lone
@@ -63,9 +58,9 @@ class BatchItem:
 
 
 @dataclass(frozen=True)
-class RunSettings:
-    """Request fields for every line (a line's own fields win, except `speculative_decoding` when
-    `force_speculative`, as in compare mode) and how to send them."""
+class BatchSettings:
+    """A batch run's request fields for every line (a line's own fields win, except
+    `speculative_decoding` when `force_speculative`, as in compare mode) and how to send them."""
 
     model: str
     max_tokens: Optional[int] = None
@@ -244,7 +239,7 @@ def _item(entry: dict, line_no: int) -> BatchItem:
     return BatchItem(entry["id"], line_no, endpoint, fields, problem and f"input line {line_no}: {problem}")
 
 
-def request_body(item: BatchItem, settings: RunSettings) -> dict:
+def request_body(item: BatchItem, settings: BatchSettings) -> dict:
     body = {"model": settings.model, **request_fields(settings.max_tokens, settings.temperature, settings.speculative),
             **item.fields}
     if settings.force_speculative and settings.speculative is not None:
@@ -257,57 +252,9 @@ def request_body(item: BatchItem, settings: RunSettings) -> dict:
 def read_results(path: Union[str, Path]) -> tuple[list[dict], int]:
     """The records of a results file and the number of unreadable lines (a torn last line
     included); read-only. A missing file has no records."""
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return [], 0
-    records, unreadable = [], 0
-    for raw in data.split(b"\n"):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw)
-        except (ValueError, RecursionError):
-            unreadable += 1
-            continue
-        if isinstance(record, dict) and "id" in record:
-            records.append(record)
-        else:
-            unreadable += 1
-    return records, unreadable
-
-
-def repair_torn_tail(path: Union[str, Path]) -> int:
-    """Cut an unfinished last line (no trailing newline): the trace of a write that was killed.
-    Returns the number of bytes removed."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return 0
-    if size == 0:
-        return 0
-    with open(path, "rb+") as f:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) == b"\n":
-            return 0
-        # Walk back to the last newline in blocks; the torn line is usually short.
-        end, block = size, 1 << 16
-        while end > 0:
-            start = max(0, end - block)
-            f.seek(start)
-            chunk = f.read(end - start)
-            cut = chunk.rfind(b"\n")
-            if cut >= 0:
-                keep = start + cut + 1
-                break
-            end = start
-        else:
-            keep = 0
-        f.truncate(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    return size - keep
+    lines = read_lines(path)
+    records = [line.value for line in lines if isinstance(line.value, dict) and "id" in line.value]
+    return records, len(lines) - len(records)
 
 
 def usage_count(block: object, name: str) -> int:
@@ -323,58 +270,11 @@ def done_ids(records: Iterable[dict]) -> set[str]:
     return {record_key(r) for r in records if r.get("error") is None}
 
 
-def encode_record(record: dict) -> bytes:
-    """One results line: UTF-8 JSON, non-ASCII text as is. JSON has no NaN or infinity, so such a
-    float (in a server's usage block, say) is written as null. A lone surrogate (U+D800..U+DFFF
-    unpaired, which only a \\udXXX escape in JSON makes: an input id, a server's text) is not text
-    UTF-8 can encode; it is written as that escape, "\\ud800", which JSON readers (Python's) read
-    back to the same string, so the id still matches on a rerun. Raises one of RECORD_ERRORS when
-    JSON cannot hold the record."""
-    try:
-        text = json.dumps(record, ensure_ascii=False, allow_nan=False)
-    except ValueError:
-        text = json.dumps(_finite(record), ensure_ascii=False, allow_nan=False)
-    # Only lone surrogates fail to encode, and only inside JSON strings: backslashreplace writes
-    # each as exactly its JSON escape.
-    return (text + "\n").encode("utf-8", "backslashreplace")
+class ResultWriter(JsonlStore):
+    """The results file of one run: the shared JSONL store (client/jsonl.py), so two runs cannot
+    share a results file and a torn last line is cut on opening."""
 
-
-def _finite(value: object) -> object:
-    """`value` with NaN and infinities replaced by None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-class ResultWriter:
-    """Appends result lines, each one flushed and fsynced before the next request's line. Holds an
-    exclusive lock on the file (where the OS has flock), so two runs cannot share a results file;
-    the kernel drops the lock when the process dies, SIGKILL included."""
-
-    def __init__(self, path: Union[str, Path]):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab")
-        if fcntl is not None:
-            try:
-                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                self._file.close()
-                raise SpecdecError(f"another batch is writing to {self.path}; wait for it or use another --out.") from None
-
-    def append(self, record: dict) -> None:
-        """Write one record's line; raises one of RECORD_ERRORS, having written nothing, when JSON
-        cannot hold it (see `encode_record`)."""
-        self._file.write(encode_record(record))
-        self._file.flush()
-        os.fsync(self._file.fileno())
-
-    def close(self) -> None:
-        self._file.close()
+    busy_message = "another batch is writing to {path}; wait for it or use another --out."
 
 
 # -- running -----------------------------------------------------------------------------------------
@@ -401,7 +301,7 @@ def failure_record(item: BatchItem, error: str, error_type: str, attempts: list,
     }
 
 
-def unwritable_record(item: BatchItem, record: dict, exc: BaseException, settings: RunSettings) -> dict:
+def unwritable_record(item: BatchItem, record: dict, exc: BaseException, settings: BatchSettings) -> dict:
     """The error record written instead of a `record` that JSON cannot hold: the item counts as
     failed (a rerun sends it again) and the run goes on. Holds only the item's and the run's own
     values, so it always encodes."""
@@ -410,7 +310,7 @@ def unwritable_record(item: BatchItem, record: dict, exc: BaseException, setting
                           "OutputError", [], request_body(item, settings), record.get("started_at") or time.time())
 
 
-async def _send(client: AsyncClient, item: BatchItem, settings: RunSettings) -> dict:
+async def _send(client: AsyncClient, item: BatchItem, settings: BatchSettings) -> dict:
     """The result line of one item. Never raises for a failed request: the failure is the record."""
     started_at = time.time()
     body = request_body(item, settings)
@@ -427,15 +327,14 @@ async def _send(client: AsyncClient, item: BatchItem, settings: RunSettings) -> 
     return success_record(item, completion, body, started_at)
 
 
-async def run_batch(client: AsyncClient, items: list[BatchItem], out_path: Union[str, Path], settings: RunSettings,
+async def run_batch(client: AsyncClient, items: list[BatchItem], out_path: Union[str, Path], settings: BatchSettings,
                     progress: ProgressHook = ProgressHook()) -> RunOutcome:
     """Send every item not yet done in `out_path`, `settings.concurrency` at a time, appending one
     line per finished request."""
     if settings.concurrency < 1:
         raise SpecdecError("--concurrency must be at least 1.")
-    writer = ResultWriter(out_path)  # locked before we read what is done
+    writer = ResultWriter(out_path)  # locked, and a torn last line cut, before we read what is done
     try:
-        repair_torn_tail(out_path)
         done = done_ids(read_results(out_path)[0])
         pending = [item for item in items if item.key not in done]
         outcome = RunOutcome(pending=len(pending), skipped=len(items) - len(pending))

@@ -19,7 +19,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from specdec.client.batch import BatchItem, ProgressHook, RunSettings, read_input, run_batch, usage_count
+from specdec.client.batch import BatchItem, BatchSettings, ProgressHook, read_input, run_batch, usage_count
 from specdec.client.cost import load_price_table
 from specdec.client.http import DEFAULT_BASE_URL, APIError, AsyncClient, RetryPolicy, Timeouts
 from specdec.client.report import build_report, json_path_for, summarize_file, summary_text, write_report
@@ -165,7 +165,7 @@ async def _run_all(client: AsyncClient, items: list[BatchItem], runs, args: argp
     async with client:
         model = args.model or await _first_model(client)
         for label, path, speculative in runs:
-            settings = RunSettings(model=model, max_tokens=args.max_tokens, temperature=args.temperature,
+            settings = BatchSettings(model=model, max_tokens=args.max_tokens, temperature=args.temperature,
                                    speculative=speculative, force_speculative=args.compare,
                                    concurrency=args.concurrency, stream=not args.no_stream)
             progress = TqdmProgress(label, enabled=not args.no_progress)

@@ -9,6 +9,9 @@ error, so a caller can always say what happened.
 Timeouts scale with the work asked for: connect + first-token allowance + per-token allowance ×
 max_tokens (`Timeouts`), or a fixed total when one is given.
 
+The retry and stream logic is written once, as plans free of I/O that `Client`'s blocking and
+`AsyncClient`'s asyncio transport each run (see "the retry and stream logic" below).
+
 Errors are typed (`BadRequestError`, `RateLimitError`, `InternalServerError`, `APIConnectionError`,
 `APITimeoutError`, ...) and carry the server's OpenAI error message, type, param and code.
 """
@@ -21,7 +24,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Optional, Union
+from typing import Any, AsyncIterator, Callable, Generator, Iterator, Mapping, Optional, Union
 
 import httpx
 
@@ -354,8 +357,54 @@ def _parse_completion(endpoint: str, response: httpx.Response, latency: float) -
                       body.get("model"), latency, None)
 
 
+# -- the retry and stream logic, written once ---------------------------------------------------
+# A plan is a generator holding one request's whole logic (attempts, retry decisions, SSE parsing)
+# and no I/O: it yields steps, which a transport (Client's blocking one, AsyncClient's asyncio one)
+# performs and answers with `send` (the response, bytes or a line) or fails with `throw` (an
+# APIError); a _Delta is handed on to the caller, and what the plan returns is the result.
+
+@dataclass(frozen=True)
+class _Send:
+    """Send a request; answered with the httpx.Response (streamed: its body not read yet)."""
+
+    method: str
+    url: str
+    payload: Optional[dict]
+    budget: float  # seconds
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class _Wait:
+    """Sleep before the next attempt; the transport closes the open response first."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Delta:
+    """A text delta for the caller of a stream."""
+
+    text: str
+
+
+class _ReadBody:
+    """Read the open streamed response's whole body; answered with bytes."""
+
+
+class _ReadLine:
+    """Read the open streamed response's next line; answered with None at its end."""
+
+
+READ_BODY, READ_LINE = _ReadBody(), _ReadLine()
+Plan = Generator[Union[_Send, _Wait, _Delta, _ReadBody, _ReadLine], Any, Any]
+
+
 class _ClientCore:
-    """What the sync and async clients share: configuration, request shaping, retry bookkeeping."""
+    """What the sync and async clients share: configuration, request shaping and every plan; a
+    subclass adds its transport (`_drive`) and the public methods that wait on it."""
+
+    _text_stream: Callable[[], Any]  # the subclass's stream holder class
 
     def __init__(self, base_url: str = DEFAULT_BASE_URL, api_key: Optional[str] = None, *,
                  retry: RetryPolicy = RetryPolicy(), timeouts: Timeouts = Timeouts(),
@@ -392,6 +441,84 @@ class _ClientCore:
 
     def _log(self) -> _AttemptLog:
         return _AttemptLog(self.retry, self.rng, self.clock)
+
+    def _call_plan(self, method: str, url: str, payload: Optional[dict], budget: float,
+                   parse: Callable[[httpx.Response, float], Any]) -> Plan:
+        """One non-streamed request with retries; returns (parse(response, latency), every attempt)."""
+        log = self._log()
+        while True:
+            started = log.start()
+            try:
+                response = yield _Send(method, url, payload, budget)
+                if response.status_code >= 400:
+                    raise status_error(response.status_code, response.content, response.headers)
+                result = parse(response, self.clock() - started)
+            except APIResponseError as exc:
+                log.failed(exc, final=True)
+            except APIError as exc:
+                yield _Wait(log.failed(exc))
+            else:
+                return result, log.succeeded(response.status_code)
+
+    def _models_plan(self) -> Plan:
+        """The model ids that `GET /models` lists, in the server's order."""
+        budget = self.timeouts.connect + self.timeouts.first_token
+        ids, _ = yield from self._call_plan("GET", self.base_url + "/models", None, budget,
+                                            lambda response, _: _model_ids(response))
+        return ids
+
+    def _completion_plan(self, endpoint: str, body: Mapping[str, Any]) -> Plan:
+        """One non-streamed chat or completions request; returns its Completion."""
+        url, payload, budget = self._prepare(endpoint, body, stream=False)
+        completion, attempts = yield from self._call_plan(
+            "POST", url, payload, budget, lambda response, latency: _parse_completion(endpoint, response, latency))
+        return replace(completion, attempts=attempts)
+
+    def _stream_plan(self, endpoint: str, url: str, payload: dict, budget: float, restartable: bool) -> Plan:
+        """One streamed request: yields its deltas, returns its Completion. An attempt cut before
+        its first delta is retried; one cut after it only when `restartable` (nothing handed out
+        is taken back: create(stream=True) collects, stream() hands out)."""
+        log = self._log()
+        while True:
+            started = log.start()
+            state = _StreamState(endpoint, self.clock, started, started + budget)
+            try:
+                response = yield _Send("POST", url, payload, budget, stream=True)
+                if response.status_code >= 400:
+                    raise status_error(response.status_code, (yield READ_BODY), response.headers)
+                while (line := (yield READ_LINE)) is not None:
+                    text = state.feed(line)
+                    if text:
+                        yield _Delta(text)
+                state.finish()
+            except APIResponseError as exc:
+                log.failed(exc, final=True)
+            except APIError as exc:
+                yield _Wait(log.failed(exc, final=bool(state.parts) and not restartable))
+                continue
+            return state.completion(log.succeeded(response.status_code))
+
+    def _stream(self, endpoint: str, body: Mapping[str, Any], *, restartable: bool):
+        url, payload, budget = self._prepare(endpoint, body, stream=True)
+        holder = self._text_stream()
+        holder._deltas = self._drive(self._stream_plan(endpoint, url, payload, budget, restartable),
+                                     lambda completion: setattr(holder, "completion", completion))
+        return holder
+
+    def _drive(self, plan: Plan, done: Callable[[Any], None]):
+        """The subclass's transport: performs the plan's steps, yields its deltas, hands its result to `done`."""
+        raise NotImplementedError
+
+    def stream(self, endpoint: str, body: Mapping[str, Any]) -> Union[TextStream, AsyncTextStream]:
+        """The deltas of one streamed request as they come: a TextStream from Client, an
+        AsyncTextStream from AsyncClient."""
+        return self._stream(endpoint, body, restartable=False)
+
+    def stream_chat(self, body: Mapping[str, Any]) -> Union[TextStream, AsyncTextStream]:
+        return self.stream("chat", body)
+
+    def stream_completions(self, body: Mapping[str, Any]) -> Union[TextStream, AsyncTextStream]:
+        return self.stream("completions", body)
 
 
 def request_fields(max_tokens: Optional[int] = None, temperature: Optional[float] = None,
@@ -438,6 +565,8 @@ class TextStream:
 class Client(_ClientCore):
     """Blocking client. `sleep` and `clock` are injectable so tests never wait for real backoff."""
 
+    _text_stream = TextStream
+
     def __init__(self, base_url: str = DEFAULT_BASE_URL, api_key: Optional[str] = None, *,
                  retry: RetryPolicy = RetryPolicy(), timeouts: Timeouts = Timeouts(),
                  rng: Optional[random.Random] = None, clock: Callable[[], float] = time.monotonic,
@@ -457,9 +586,7 @@ class Client(_ClientCore):
 
     def models(self) -> list[str]:
         """The model ids that `GET /models` lists, in the server's order."""
-        budget = self.timeouts.connect + self.timeouts.first_token
-        ids, _ = self._call("GET", self.base_url + "/models", None, budget, lambda response, _: _model_ids(response))
-        return ids
+        return self._run(self._models_plan())
 
     def create(self, endpoint: str, body: Mapping[str, Any], *, stream: bool = False) -> Completion:
         """One chat ("chat") or completions ("completions") request, retried as the policy allows.
@@ -470,33 +597,7 @@ class Client(_ClientCore):
             for _ in text_stream:
                 pass
             return text_stream.completion
-        url, payload, budget = self._prepare(endpoint, body, stream=False)
-        completion, attempts = self._call("POST", url, payload, budget,
-                                          lambda response, latency: _parse_completion(endpoint, response, latency))
-        return replace(completion, attempts=attempts)
-
-    def _call(self, method: str, url: str, payload: Optional[dict], budget: float,
-              parse: Callable[[httpx.Response, float], Any]) -> tuple[Any, tuple[Attempt, ...]]:
-        """One non-streamed request with retries: parse(response, latency) and every attempt."""
-        log = self._log()
-        while True:
-            started = log.start()
-            try:
-                with _transport_errors():
-                    response = self.http.request(method, url, json=payload, headers=self._headers(),
-                                                 timeout=self._timeout(budget))
-                if response.status_code >= 400:
-                    raise status_error(response.status_code, response.content, response.headers)
-                result = parse(response, self.clock() - started)
-            except APIResponseError as exc:
-                log.failed(exc, final=True)
-            except APIError as exc:
-                self.sleep(log.failed(exc))
-            else:
-                return result, log.succeeded(response.status_code)
-
-    def stream(self, endpoint: str, body: Mapping[str, Any]) -> TextStream:
-        return self._stream(endpoint, body, restartable=False)
+        return self._run(self._completion_plan(endpoint, body))
 
     def chat(self, body: Mapping[str, Any], *, stream: bool = False) -> Completion:
         """POST /chat/completions; build `body` with chat_body()."""
@@ -506,41 +607,53 @@ class Client(_ClientCore):
         """POST /completions; build `body` with completion_body()."""
         return self.create("completions", body, stream=stream)
 
-    def stream_chat(self, body: Mapping[str, Any]) -> TextStream:
-        return self.stream("chat", body)
+    def _run(self, plan: Plan) -> Any:
+        result: list = []
+        for _ in self._drive(plan, result.append):
+            pass
+        return result[0]
 
-    def stream_completions(self, body: Mapping[str, Any]) -> TextStream:
-        return self.stream("completions", body)
-
-    def _stream(self, endpoint: str, body: Mapping[str, Any], *, restartable: bool) -> TextStream:
-        url, payload, budget = self._prepare(endpoint, body, stream=True)
-        holder = TextStream()
-
-        def deltas() -> Iterator[str]:
-            log = self._log()
-            while True:
-                started = log.start()
-                state = _StreamState(endpoint, self.clock, started, started + budget)
-                try:
-                    with _transport_errors(), self.http.stream("POST", url, json=payload, headers=self._headers(),
-                                                               timeout=self._timeout(budget)) as response:
-                        if response.status_code >= 400:
-                            raise status_error(response.status_code, response.read(), response.headers)
-                        for line in response.iter_lines():
-                            text = state.feed(line)
-                            if text:
-                                yield text
-                        state.finish()
-                except APIResponseError as exc:
-                    log.failed(exc, final=True)
-                except APIError as exc:
-                    self.sleep(log.failed(exc, final=bool(state.parts) and not restartable))
-                    continue
-                holder.completion = state.completion(log.succeeded(response.status_code))
-                return
-
-        holder._deltas = deltas()
-        return holder
+    def _drive(self, plan: Plan, done: Callable[[Any], None]) -> Iterator[str]:
+        """The blocking transport (see _ClientCore._drive)."""
+        with contextlib.ExitStack() as open_response:
+            reply: Any = None
+            error: Optional[APIError] = None
+            response: Any = None  # the attempt's streamed response, open until the next _Send or _Wait
+            lines: Iterator[str] = iter(())
+            try:
+                while True:
+                    try:
+                        step = plan.send(reply) if error is None else plan.throw(error)
+                    except StopIteration as stop:
+                        done(stop.value)
+                        return
+                    reply, error = None, None
+                    if isinstance(step, _Delta):
+                        yield step.text
+                        continue
+                    if not isinstance(step, (_ReadBody, _ReadLine)):
+                        open_response.close()  # an attempt's response is closed before anything else happens
+                    if isinstance(step, _Wait):
+                        self.sleep(step.seconds)
+                        continue
+                    try:
+                        with _transport_errors():
+                            if isinstance(step, _ReadLine):
+                                reply = next(lines, None)
+                            elif isinstance(step, _ReadBody):
+                                reply = response.read()
+                            elif step.stream:
+                                response = reply = open_response.enter_context(self.http.stream(
+                                    step.method, step.url, json=step.payload, headers=self._headers(),
+                                    timeout=self._timeout(step.budget)))
+                                lines = response.iter_lines()
+                            else:
+                                reply = self.http.request(step.method, step.url, json=step.payload,
+                                                          headers=self._headers(), timeout=self._timeout(step.budget))
+                    except APIError as exc:
+                        error = exc
+            finally:
+                plan.close()
 
 
 # -- async --------------------------------------------------------------------------------------------
@@ -558,6 +671,8 @@ class AsyncTextStream:
 
 class AsyncClient(_ClientCore):
     """Asyncio client with the same behaviour as `Client`; `sleep` is an async callable."""
+
+    _text_stream = AsyncTextStream
 
     def __init__(self, base_url: str = DEFAULT_BASE_URL, api_key: Optional[str] = None, *,
                  retry: RetryPolicy = RetryPolicy(), timeouts: Timeouts = Timeouts(),
@@ -578,9 +693,7 @@ class AsyncClient(_ClientCore):
         await self.aclose()
 
     async def models(self) -> list[str]:
-        budget = self.timeouts.connect + self.timeouts.first_token
-        ids, _ = await self._call("GET", self.base_url + "/models", None, budget, lambda response, _: _model_ids(response))
-        return ids
+        return await self._run(self._models_plan())
 
     async def create(self, endpoint: str, body: Mapping[str, Any], *, stream: bool = False) -> Completion:
         if stream:
@@ -588,32 +701,7 @@ class AsyncClient(_ClientCore):
             async for _ in text_stream:
                 pass
             return text_stream.completion
-        url, payload, budget = self._prepare(endpoint, body, stream=False)
-        completion, attempts = await self._call("POST", url, payload, budget,
-                                                lambda response, latency: _parse_completion(endpoint, response, latency))
-        return replace(completion, attempts=attempts)
-
-    async def _call(self, method: str, url: str, payload: Optional[dict], budget: float,
-                    parse: Callable[[httpx.Response, float], Any]) -> tuple[Any, tuple[Attempt, ...]]:
-        log = self._log()
-        while True:
-            started = log.start()
-            try:
-                with _transport_errors():
-                    response = await self.http.request(method, url, json=payload, headers=self._headers(),
-                                                       timeout=self._timeout(budget))
-                if response.status_code >= 400:
-                    raise status_error(response.status_code, response.content, response.headers)
-                result = parse(response, self.clock() - started)
-            except APIResponseError as exc:
-                log.failed(exc, final=True)
-            except APIError as exc:
-                await self.sleep(log.failed(exc))
-            else:
-                return result, log.succeeded(response.status_code)
-
-    def stream(self, endpoint: str, body: Mapping[str, Any]) -> AsyncTextStream:
-        return self._stream(endpoint, body, restartable=False)
+        return await self._run(self._completion_plan(endpoint, body))
 
     async def chat(self, body: Mapping[str, Any], *, stream: bool = False) -> Completion:
         return await self.create("chat", body, stream=stream)
@@ -621,42 +709,54 @@ class AsyncClient(_ClientCore):
     async def completions(self, body: Mapping[str, Any], *, stream: bool = False) -> Completion:
         return await self.create("completions", body, stream=stream)
 
-    def stream_chat(self, body: Mapping[str, Any]) -> AsyncTextStream:
-        return self.stream("chat", body)
+    async def _run(self, plan: Plan) -> Any:
+        result: list = []
+        async for _ in self._drive(plan, result.append):
+            pass
+        return result[0]
 
-    def stream_completions(self, body: Mapping[str, Any]) -> AsyncTextStream:
-        return self.stream("completions", body)
-
-    def _stream(self, endpoint: str, body: Mapping[str, Any], *, restartable: bool) -> AsyncTextStream:
-        url, payload, budget = self._prepare(endpoint, body, stream=True)
-        holder = AsyncTextStream()
-
-        async def deltas() -> AsyncIterator[str]:
-            log = self._log()
-            while True:
-                started = log.start()
-                state = _StreamState(endpoint, self.clock, started, started + budget)
-                try:
-                    with _transport_errors():
-                        async with self.http.stream("POST", url, json=payload, headers=self._headers(),
-                                                    timeout=self._timeout(budget)) as response:
-                            if response.status_code >= 400:
-                                raise status_error(response.status_code, await response.aread(), response.headers)
-                            async for line in response.aiter_lines():
-                                text = state.feed(line)
-                                if text:
-                                    yield text
-                            state.finish()
-                except APIResponseError as exc:
-                    log.failed(exc, final=True)
-                except APIError as exc:
-                    await self.sleep(log.failed(exc, final=bool(state.parts) and not restartable))
-                    continue
-                holder.completion = state.completion(log.succeeded(response.status_code))
-                return
-
-        holder._deltas = deltas()
-        return holder
+    async def _drive(self, plan: Plan, done: Callable[[Any], None]) -> AsyncIterator[str]:
+        """The asyncio transport: Client._drive, awaiting each step."""
+        async with contextlib.AsyncExitStack() as open_response:
+            reply: Any = None
+            error: Optional[APIError] = None
+            response: Any = None
+            lines: Optional[AsyncIterator[str]] = None
+            try:
+                while True:
+                    try:
+                        step = plan.send(reply) if error is None else plan.throw(error)
+                    except StopIteration as stop:
+                        done(stop.value)
+                        return
+                    reply, error = None, None
+                    if isinstance(step, _Delta):
+                        yield step.text
+                        continue
+                    if not isinstance(step, (_ReadBody, _ReadLine)):
+                        await open_response.aclose()  # an attempt's response is closed before anything else happens
+                    if isinstance(step, _Wait):
+                        await self.sleep(step.seconds)
+                        continue
+                    try:
+                        with _transport_errors():
+                            if isinstance(step, _ReadLine):
+                                reply = await anext(lines, None)
+                            elif isinstance(step, _ReadBody):
+                                reply = await response.aread()
+                            elif step.stream:
+                                response = reply = await open_response.enter_async_context(self.http.stream(
+                                    step.method, step.url, json=step.payload, headers=self._headers(),
+                                    timeout=self._timeout(step.budget)))
+                                lines = response.aiter_lines()
+                            else:
+                                reply = await self.http.request(step.method, step.url, json=step.payload,
+                                                                headers=self._headers(),
+                                                                timeout=self._timeout(step.budget))
+                    except APIError as exc:
+                        error = exc
+            finally:
+                plan.close()
 
 
 def _model_ids(response: httpx.Response) -> list[str]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from specdec.client.batch import id_key, read_results, record_key, usage_count
 from specdec.client.cost import PriceTable, compute_cost, token_cost
+from specdec.client.tables import markdown_table, percentiles
 from specdec.types import SpecdecError
 
 MAX_REASON_CHARS = 200
@@ -44,9 +45,7 @@ def distribution(values: Sequence[float]) -> Optional[Distribution]:
     """
     if not values:
         return None
-    array = np.asarray(values, dtype=float)
-    p50, p95, p99 = np.percentile(array, [50, 95, 99])
-    return Distribution(len(array), float(array.mean()), float(p50), float(p95), float(p99))
+    return Distribution(len(values), float(np.mean(np.asarray(values, dtype=float))), *percentiles(values, (50, 95, 99)))
 
 
 def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
@@ -308,9 +307,7 @@ def render_markdown(doc: dict) -> str:
     lines.append("")
 
     def table(title: str, rows: list[tuple[str, list[str]]]) -> None:
-        lines.extend([f"## {title}", "", "| | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"])
-        lines.extend(f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows)
-        lines.append("")
+        lines.extend([f"## {title}", "", *markdown_table(["", *labels], ([name, *cells] for name, cells in rows)), ""])
 
     def row(name: str, fn) -> tuple[str, list[str]]:
         return name, [fn(run) for run in runs]
@@ -386,14 +383,15 @@ def render_markdown(doc: dict) -> str:
         saving = c["compute_cost_per_million_output_tokens_saving"]
         saving_cell = _pct(saving) if saving is not None else c.get("compute_note", "n/a")
         lines.extend([f"## {c['candidate']} vs {c['baseline']}", "",
-                      f"| | {c['candidate']} vs {c['baseline']} |", "|---|---|",
-                      f"| mean latency | {_pct(c['latency_mean_change'])} |",
-                      f"| p50 latency | {_pct(c['latency_p50_change'])} |",
-                      f"| mean time to first token | {_pct(c['ttft_mean_change'])} |",
-                      f"| output tokens/s | {_num(c['output_tokens_per_second_speedup'], '.2f')}× |",
-                      f"| wall time | {_pct(c['wall_seconds_change'])} |",
-                      f"| compute cost per million output tokens, saving | {saving_cell} |",
-                      f"| identical texts | {c['identical_texts']} of {c['compared_texts']} |",
+                      *markdown_table(["", f"{c['candidate']} vs {c['baseline']}"], [
+                          ["mean latency", _pct(c['latency_mean_change'])],
+                          ["p50 latency", _pct(c['latency_p50_change'])],
+                          ["mean time to first token", _pct(c['ttft_mean_change'])],
+                          ["output tokens/s", f"{_num(c['output_tokens_per_second_speedup'], '.2f')}×"],
+                          ["wall time", _pct(c['wall_seconds_change'])],
+                          ["compute cost per million output tokens, saving", saving_cell],
+                          ["identical texts", f"{c['identical_texts']} of {c['compared_texts']}"],
+                      ]),
                       ""])
         lines.append("Token pricing does not depend on speed: the same tokens cost the same in both runs.")
         lines.append("")

@@ -11,6 +11,7 @@ import uvicorn
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now: the one helper for tests, scripts and bench/ (peers, serving)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
