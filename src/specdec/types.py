@@ -93,6 +93,10 @@ class GenerationRequest:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
 
+    def validate(self) -> None:
+        self.sampling.validate()
+        self.spec.validate()
+
 
 @dataclass(frozen=True)
 class Proposal:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 from specdec.engine.decoder import Generation
+from specdec.engine.sequence import common_prefix_length
 from specdec.sampling.logprobs import token_logprobs
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent, TokenLogprob
 
@@ -249,7 +250,7 @@ class EngineCore:
                 return False  # only earlier requests: no two wait for each other
             if other.started or other.generation is None or other.scoring or other.slot not in sources:
                 continue
-            common = _common_length(other.request.prompt_token_ids[:-1], prefix)
+            common = common_prefix_length(other.request.prompt_token_ids[:-1], prefix)
             if common // unit * unit > len(own.tokens):
                 return True
         return False
@@ -382,12 +383,3 @@ class EngineCore:
                     logger.exception("could not reset slot %d", index)
                     sequence.tokens.clear()
 
-
-
-def _common_length(a, b) -> int:
-    common = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        common += 1
-    return common

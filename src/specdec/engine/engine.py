@@ -186,8 +186,7 @@ class Engine:
 
     # -- generation --------------------------------------------------------------------------
     def new_generation(self, request: GenerationRequest, slot: int = 0) -> Generation:
-        request.sampling.validate()
-        request.spec.validate()
+        request.validate()
         if request.spec.method == "auto" and self.cost_model is None:
             self.calibrate(slot)  # the slot about to serve this request is free
         chosen = self.slots[slot]

@@ -44,7 +44,7 @@ class CachedSequence:
 
     def reusable_prefix(self, tokens: Sequence[int]) -> int:
         """How much of `tokens` the cache can serve: the common prefix, cut to whole chunks."""
-        common = self._common_prefix(tokens)
+        common = common_prefix_length(self.tokens, tokens)
         if self.alignment > 1:
             if common >= len(tokens) == self._prefill_end:
                 return self.backend.keepable(self.seq_id, common)  # the same prompt processed the same way
@@ -56,7 +56,7 @@ class CachedSequence:
         processing in whole chunks, cut to whole blocks of the backend's prefix_share_block."""
         if not self.backend.prefix_share_block:
             return 0
-        common = self._common_prefix(tokens)
+        common = common_prefix_length(self.tokens, tokens)
         if self.alignment > 1:
             common = min(common, self._whole_chunks_end)
         unit = math.lcm(self.backend.prefix_share_block, self.alignment)
@@ -68,14 +68,6 @@ class CachedSequence:
         self.backend.share_prefix(source.seq_id, self.seq_id, length)
         self.tokens = source.tokens[:length]
         self._whole_chunks_end = length  # computed in whole chunks by the source's prompt processing
-
-    def _common_prefix(self, tokens: Sequence[int]) -> int:
-        common = 0
-        for cached, wanted in zip(self.tokens, tokens):
-            if cached != wanted:
-                break
-            common += 1
-        return self.backend.keepable(self.seq_id, common)
 
     def reuse_prefix(self, tokens: Sequence[int]) -> int:
         """Keep the reusable cached prefix of `tokens` (prefix caching); returns its length."""
@@ -112,3 +104,12 @@ class CachedSequence:
         self.backend.truncate(self.seq_id, 0)
         self.tokens.clear()
         self._whole_chunks_end = self._prefill_end = 0
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    common = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        common += 1
+    return common

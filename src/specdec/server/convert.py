@@ -156,8 +156,7 @@ def generation_request(engine: Engine, config: ServerConfig, body: Union[ChatCom
         grammar=request_grammar(engine, body),
     )
     try:
-        request.sampling.validate()
-        request.spec.validate()
+        request.validate()
     except SpecdecError as exc:
         raise bad_request(str(exc)) from None
     return request

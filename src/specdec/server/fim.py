@@ -328,8 +328,7 @@ def infill_generation_request(state: "ServerState", body: InfillRequest, setting
         cache_prompt=body.cache_prompt is not False,
     )
     try:
-        request.sampling.validate()
-        request.spec.validate()
+        request.validate()
     except SpecdecError as exc:
         raise bad_request(str(exc)) from None
     return request
