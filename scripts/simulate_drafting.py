@@ -13,7 +13,7 @@ this finds what is worth measuring there.
 
     .venv/bin/python scripts/simulate_drafting.py bench-out/off-ik-15 --cost cost.json \
         --drafters auto,ngram:k2,ngram:k4 [--first 5]
-    .venv/bin/python scripts/simulate_drafting.py bench-out/off-ik-15 --fit-priors --skip 5
+    .venv/bin/python scripts/simulate_drafting.py bench-out/off-ik-15 --fit-priors --skip 5 [--write]
 
 `oracle` is the ceiling of prompt lookup on these costs: it sees the output, so each round it
 proposes exactly the part of the longest match's continuation (up to 16 tokens) that will be
@@ -24,7 +24,9 @@ over every occurrence of the longest match (and the tenant's history's), the suf
 --fit-priors prints, from the prompts after the first --skip of each category (the benchmark's
 prompts stay out), P(a draft-free source's next token is accepted | its evidence: the match
 length's bucket and whether earlier occurrences agree), for the request's own text and for the
-earlier fit prompts as the tenant's history: drafters/auto.py's NGRAM_PRIORS and CACHE_PRIORS.
+earlier fit prompts as the tenant's history: `auto`'s "ngram" and "cache" priors. With --write it
+also writes them to specdec/data/drafting_priors.json (or the path given), the file `auto` reads
+(drafters/policy/priors.py); the draft model's prior there is kept as it is.
 --tenant-history gives each simulated prompt the earlier ones (prompt and `off` output) as its
 tenant's history, as `specdec bench --tenant-history` does.
 """
@@ -42,7 +44,10 @@ import numpy as np
 
 from specdec.backends.base import Backend
 from specdec.bench.datasets import load_prompts
-from specdec.drafters.auto import AGREEMENTS, MATCH_BUCKETS, MAX_MATCH, AutoDrafter, evidence_key
+from specdec.drafters.auto import AutoDrafter
+from specdec.drafters.policy import priors
+from specdec.drafters.policy.config import MAX_MATCH
+from specdec.drafters.policy.priors import AGREEMENTS, MATCH_BUCKETS, evidence_key
 from specdec.drafters.history import TenantHistory as new_history
 from specdec.drafters.suffix import SuffixIndex
 from specdec.drafters.base import Drafter
@@ -51,6 +56,7 @@ from specdec.engine.cost_model import CostModel
 from specdec.types import Proposal, SamplingParams
 
 GREEDY = SamplingParams()
+PRIORS_PATH = Path(__file__).resolve().parent.parent / "src" / "specdec" / "data" / priors.PRIORS_FILE
 
 
 def drafter_factories(cost: CostModel) -> dict[str, Callable[[], tuple[Drafter, int]]]:
@@ -148,14 +154,21 @@ def main() -> int:
     parser.add_argument("--tenant-history", action="store_true",
                         help="drafters see the earlier simulated prompts and outputs as their tenant's history")
     parser.add_argument("--skip", type=int, default=5, help="--fit-priors leaves out the first N per category")
+    parser.add_argument("--write", nargs="?", const=str(PRIORS_PATH), default=None, metavar="PATH",
+                        help=f"--fit-priors writes the priors `auto` reads (default {PRIORS_PATH})")
     parser.add_argument("--tokenizer-backend", default="ik_llama.cpp")
     args = parser.parse_args()
     generations = load_generations(Path(args.records), args.tokenizer_backend)
     if args.fit_priors:
-        for source, table in fit_priors(generations, args.skip).items():
+        fitted = fit_priors(generations, args.skip)
+        for source, table in fitted.items():
             print(f"{source}: {{" + ", ".join(f"{key}: {prior}" for key, (_, _, prior) in table.items()) + "}")
             print("  tries, accepted:", {key: (tries, hits) for key, (tries, hits, _) in table.items()})
+        if args.write:
+            print("wrote", write_priors(fitted, Path(args.write)))
         return 0
+    if args.write:
+        raise SystemExit("--write goes with --fit-priors")
     if not args.cost:
         raise SystemExit("--cost is needed to simulate drafters")
     cost = load_cost(args.cost)
@@ -222,6 +235,14 @@ def fit_priors(generations, skip: int) -> dict:
             context.append(output[position])
         history.add(list(prompt_ids) + list(output))
     return {source: smoothed_priors(cells) for source, cells in counts.items()}
+
+
+def write_priors(fitted: dict, path: Path) -> Path:
+    """The fitted tables into the priors file at `path`, the draft model's prior kept from it
+    (this replay cannot measure the draft model)."""
+    draft = priors.load(path).draft if path.exists() else priors.DRAFT_PRIOR
+    tables = {source: {key: prior for key, (_, _, prior) in table.items()} for source, table in fitted.items()}
+    return priors.write(path, priors.document(tables["ngram"], tables["cache"], draft))
 
 
 def smoothed_priors(cells: dict, weight: float = 10.0) -> dict:

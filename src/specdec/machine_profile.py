@@ -31,7 +31,8 @@ from typing import Callable, Optional, Union
 from specdec import __version__
 from specdec.backends.base import default_threads
 from specdec.backends.registry import BackendConfig, ModelConfig, default_backend, installed_configs
-from specdec.drafters.auto import expected_tokens
+from specdec.drafters.policy.pricing import best_uniform_proposal
+from specdec.drafters.policy.priors import DRAFT_PRIOR
 from specdec.engine.cost_model import CostModel
 from specdec.models.registry import specdec_home
 from specdec.types import SpecdecError
@@ -39,8 +40,9 @@ from specdec.types import SpecdecError
 # Per-token acceptance (each proposed token accepted once the ones before it were) assumed when
 # pricing speculation, per drafter: measured for the default pair on Spec-Bench (5 prompts x 6
 # categories, 128 tokens, K = 2, docs/notebook.md): mean acceptance length 1.65 for n-gram
-# lookup and 2.41 for the draft model, i.e. a + a^2 = 0.65 and 1.41 accepted per round.
-ASSUMED_ACCEPTANCE = {"ngram": 0.46, "draft": 0.78}
+# lookup and 2.41 for the draft model, i.e. a + a^2 = 0.65 and 1.41 accepted per round (the
+# latter is `auto`'s draft prior, data/drafting_priors.json).
+ASSUMED_ACCEPTANCE = {"ngram": 0.46, "draft": DRAFT_PRIOR}
 PROFILE_FILE = "machine_profile.json"
 COST_MODELS_FILE = "cost_models.json"
 MAX_SAVED_COST_MODELS = 16  # setups remembered (machine + models + backend options); the oldest goes first
@@ -52,11 +54,12 @@ def best_speculative_rate(cost: CostModel, acceptance: Union[float, dict[str, fl
     each proposed token is accepted with probability `acceptance` (one for all drafters, or one
     per drafter) once the ones before it were.
 
-    A proposal of j tokens yields 1 + a + ... + a^j tokens (the target's own included) for t(1 + j)
-    target seconds; a draft-model proposal also costs j draft steps, an n-gram one nothing. So at
-    equal acceptance n-gram proposals always price higher: the draft model's entry says what it
-    gives where no n-gram match exists. The best speculative rate is reported even when below
-    plain decoding's; `end_to_end` is the better of the two.
+    Priced as `auto` prices it (drafters/policy/pricing.py): a proposal of j tokens yields
+    1 + a + ... + a^j tokens (the target's own included) for t(1 + j) target seconds, plus j draft
+    steps for the draft model and nothing for an n-gram one. So at equal acceptance n-gram
+    proposals always price higher: the draft model's entry says what it gives where no n-gram match
+    exists. The best speculative rate is reported even when below plain decoding's; `end_to_end`
+    is the better of the two.
     """
     if max_draft < 1:
         raise ValueError("max_draft must be at least 1")
@@ -69,10 +72,8 @@ def best_speculative_rate(cost: CostModel, acceptance: Union[float, dict[str, fl
             result[drafter] = None  # no draft model measured
             continue
         rate = acceptance[drafter] if isinstance(acceptance, dict) else acceptance
-        rates = {j: expected_tokens([rate] * j) / (cost.target(1 + j) + j * step)
-                 for j in range(1, max_draft + 1)}
-        length = max(rates, key=rates.get)
-        result[drafter] = {"length": length, "tokens_per_second": rates[length]}
+        length, tokens_per_second = best_uniform_proposal(rate, max_draft, cost.target, step)
+        result[drafter] = {"length": length, "tokens_per_second": tokens_per_second}
     best_drafter = max((d for d in DRAFTERS if result[d]), key=lambda d: result[d]["tokens_per_second"])
     best = {"drafter": best_drafter, **result[best_drafter]}
     result["best"] = best

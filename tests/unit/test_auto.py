@@ -6,8 +6,8 @@ import pytest
 from fakes.clock import FakeClock
 
 from specdec.backends.fake import FakeBackend
-from specdec.drafters.auto import (EAGER_DRAFT_K, NGRAM_PRIORS, AcceptanceEstimate, AutoDrafter, EvidenceEstimate,
-                                   Offer, Option, expected_tokens, match_bucket)
+from specdec.drafters.auto import (NGRAM_PRIORS, AcceptanceEstimate, AutoDrafter, EvidenceEstimate, Offer, Option,
+                                   PolicyConfig, expected_tokens, match_bucket)
 from specdec.drafters.model import MAX_JOINED_CATCH_UP, Extent, ModelDrafter
 from specdec.drafters.suffix import Evidence
 from specdec.engine.cost_model import CostModel
@@ -26,6 +26,9 @@ class StubModelDrafter:
     def __init__(self, token=7):
         self.token = token
         self.calls = []
+
+    def lag(self, context):
+        return 0  # its cache always in step
 
     def propose(self, context, k, sampling, rng, prefix=(), keep_drafting=None, guide=None):
         self.calls.append((k, tuple(prefix)))
@@ -249,7 +252,7 @@ def test_model_draft_stops_early_when_its_confidence_no_longer_pays():
     # The policy's threshold: near-free verification keeps drafting, costly verification stops.
     for cost, expected in ((flat_costs(draft_step=0.001), Extent.MORE), (linear_costs(per_token=0.05), Extent.STOP)):
         auto = AutoDrafter(cost, drafter)
-        keep = auto._early_stop(Option("draft", 6, 1.0 / cost.target(1)))
+        keep = auto.draft_length(Option("draft", 6, 1.0 / cost.target(1)))
         assert keep(1, 0.9) is expected
 
 
@@ -260,13 +263,13 @@ def test_the_draft_step_already_paid_is_not_charged_to_its_token():
     token it is 95 % sure of is worth drafting past (0.76 > 0.7)."""
     cost = CostModel({n: 0.050 + 0.005 * (n - 1) for n in range(1, 9)}, 0.030)
     auto = drafter_with(cost, ngram_rate=0.0, draft_rate=0.8)
-    auto.draft_forwards = 0
-    keep = auto._early_stop(Option("draft", 4, 20.0))
-    assert keep(0, 0.4) is Extent.LAST and auto.draft_forwards == 1
-    keep = auto._early_stop(Option("draft", 4, 20.0))
-    assert keep(0, 0.95) is Extent.MORE and auto.draft_forwards == 2
+    keep = auto.draft_length(Option("draft", 4, 20.0))
+    assert keep(0, 0.4) is Extent.LAST and keep.forwards == 1 and keep.confidences == [0.4]
+    keep = auto.draft_length(Option("draft", 4, 20.0))
+    assert keep(0, 0.95) is Extent.MORE and keep.forwards == 2
     assert keep(1, 0.05) is Extent.STOP  # 0.95 x 0.05 < 0.1: not even its row
-    keep = auto._early_stop(Option("draft", 1, 20.0))
+    assert keep.confidences == [0.95]  # a token left out is not calibrated against
+    keep = auto.draft_length(Option("draft", 1, 20.0))
     assert keep(0, 0.95) is Extent.LAST  # a one-token plan never runs the draft further
 
 
@@ -285,8 +288,8 @@ def test_model_draft_catches_up_in_the_forward_that_starts_it():
     drafter.propose(context, 2, GREEDY, None)
     for committed in ([5, 6], [7], list(range(8, 30))):
         context = context + committed
-        lag = len(context) - 1 - drafter.sequence.reusable_prefix(context[:-1])
         calls.clear()
+        lag = drafter.lag(context)  # what the proposal catches up on, asked without a forward (calls below)
         proposal = drafter.propose(context, 2, GREEDY, None)
         if lag <= MAX_JOINED_CATCH_UP:
             assert calls == [(lag + 1, False), (1, False)]
@@ -382,14 +385,15 @@ def test_a_slower_step_rescales_the_whole_cost_curve():
     assert cost.draft_prefill_seconds / cost.target(1) == pytest.approx(0.2)
 
 
-class LaggingDraftSequence:
-    """A draft cache holding only the first `held` tokens of any context."""
+class LaggingModelDrafter(StubModelDrafter):
+    """A draft model whose cache holds only the first `held` tokens of any context."""
 
     def __init__(self, held):
+        super().__init__()
         self.held = held
 
-    def reusable_prefix(self, tokens):
-        return min(self.held, len(tokens))
+    def lag(self, context):
+        return len(context) - 1 - min(self.held, len(context) - 1)
 
 
 def test_the_draft_models_catch_up_is_priced():
@@ -397,8 +401,7 @@ def test_the_draft_models_catch_up_is_priced():
     # it would first have to process a long prompt at 10 ms a token.
     context = list(range(1000))
     for held, expect_draft in ((999, True), (0, False)):
-        model = StubModelDrafter()
-        model.sequence = LaggingDraftSequence(held)
+        model = LaggingModelDrafter(held)
         cost = CostModel({n: 0.050 * (1 + 0.02 * (n - 1)) for n in range(1, 9)}, 0.005, 0.010)
         drafter = drafter_with(cost, ngram_rate=0.0, draft_rate=0.9, model=model)
         proposal = drafter.propose(context, 4, GREEDY, None)
@@ -415,8 +418,7 @@ def test_a_backlog_left_by_rounds_without_the_draft_is_an_investment_but_a_round
     context = list(range(1000))
     cost = CostModel({n: 0.050 * (1 + 0.4 * (n - 1)) for n in range(1, 9)}, 0.010, 0.010)
     for lag, draft_rate, expect_draft in ((5, 0.9, True), (0, 0.66, True), (1, 0.66, False)):
-        model = StubModelDrafter()
-        model.sequence = LaggingDraftSequence(len(context) - 1 - lag)
+        model = LaggingModelDrafter(len(context) - 1 - lag)
         drafter = drafter_with(cost, ngram_rate=0.0, draft_rate=draft_rate, model=model)
         proposal = drafter.propose(context, 1, GREEDY, None)
         assert (proposal.source == "draft") is expect_draft, (lag, draft_rate)
@@ -459,8 +461,9 @@ def test_the_draft_processes_no_prompt_where_it_pays_only_if_always_accepted():
     cost = CostModel({1: 0.085, 2: 0.164, 3: 0.158, 4: 0.304, 5: 0.334}, 0.038, 0.005)
     model = PrefillRecordingDrafter()
     drafter = AutoDrafter(cost, model)
-    assert drafter.draft_could_pay(EAGER_DRAFT_K)  # (1 + 2) / (0.158 + 2 * 0.038) beats 1 / 0.085
-    assert not drafter.draft_could_pay(EAGER_DRAFT_K, drafter.priors["draft"])
+    config = PolicyConfig()
+    assert drafter.draft_could_pay(config.eager_draft_k)  # (1 + 2) / (0.158 + 2 * 0.038) beats 1 / 0.085
+    assert not drafter.draft_could_pay(config.eager_draft_k, config.draft_prior)
     drafter.begin(list(range(60)))
     assert model.began == []
 
@@ -498,3 +501,18 @@ def test_a_draft_model_slower_than_its_calibrated_step_is_priced_at_what_it_real
             assert auto.draft_seconds_scale == pytest.approx(1.0)
         else:  # learned until the price stopped paying: no more proposals, no more measurements
             assert 2.0 < auto.draft_seconds_scale <= 3.0
+
+
+def test_the_tunables_come_from_one_config_and_the_constructors_keywords_still_set_them():
+    cost = flat_costs()
+    assert AutoDrafter(cost).config == PolicyConfig()
+    auto = AutoDrafter(cost, None, 8, 0.1, 0.5)  # max_ngram, margin, draft_prior, positionally as before
+    assert (auto.config.max_match, auto.config.margin, auto.config.draft_prior) == (8, 0.1, 0.5)
+    assert auto.margin == 0.1 and auto.estimates["draft"].prior == 0.5 and auto.context_index.max_match == 8
+    config = PolicyConfig(margin=0.3, draft_prior_weight=2.0, catch_up_horizon=4)
+    auto = AutoDrafter(cost, StubModelDrafter(), config=config)
+    assert auto.config == config and auto.estimates["hybrid"].prior_weight == 2.0
+    assert AutoDrafter(cost, config=config, margin=0.05).config == PolicyConfig(margin=0.05, draft_prior_weight=2.0,
+                                                                                catch_up_horizon=4)
+    with pytest.raises(ValueError):
+        PolicyConfig(draft_scale_range=(2.0, 1.0))

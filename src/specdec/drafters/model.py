@@ -58,6 +58,13 @@ class ModelDrafter(Drafter):
     def begin(self, prompt: Sequence[int], history: Optional[TenantHistory] = None) -> None:
         self.sequence.prefill(list(prompt[:-1]))
 
+    def lag(self, context: Sequence[int]) -> int:
+        """The committed tokens of `context` (all but its last) that this draft's cache lacks: what
+        its next proposal has to catch up on. Changes nothing."""
+        if not context:
+            return 0
+        return len(context) - 1 - self.sequence.reusable_prefix(context[:-1])
+
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator,
                 prefix: Sequence[int] = (), keep_drafting: Optional[KeepDrafting] = None,
                 guide: Optional["Constraint"] = None) -> Proposal:
