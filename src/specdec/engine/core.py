@@ -11,9 +11,10 @@ scheduler and each Ray replica with as many as there are slots; all of them the 
 One `step()` admits the requests added since the last one (reusing the cached prefix of their
 prompts, from their own slot's cache or, where the backend shares cached positions, any slot's of
 the same tenant: a request whose prompt start another is still processing waits for it instead of
-computing it too, as the choices of an `n` > 1 request do), processes up to `prefill_budget` prompt tokens in whole aligned chunks (a long prompt
-joining does not stall the others), then asks every started generation for its plan (pending
-token + drafts) and verifies them all in ONE target forward, timed here and nowhere else.
+computing it too, as the choices of an `n` > 1 request do), processes up to `prefill_budget`
+prompt tokens in whole aligned chunks (a long prompt joining does not stall the others), then
+asks every started generation for its plan (pending token + drafts) and verifies them all in ONE
+target forward, timed here and nowhere else.
 A request's failure is its own (its slot is reset); a failed shared forward fails those in it.
 """
 from __future__ import annotations
