@@ -162,7 +162,8 @@ def test_suffix_on_a_model_without_fim_tokens_is_a_400(plain_server):
 
 def test_suffix_with_echo_is_a_400(server):
     response = post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "suffix": "b", "echo": True})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "suffix"
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "suffix" and error["code"] == "fim_unsupported"
 
 
 # -- /infill -------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def encode_prompt(engine: Engine, body: Union[ChatCompletionRequest, CompletionR
         param = "prompt"
         prompt = body.prompt
         if body.suffix and body.echo:
-            raise bad_request("suffix: echo is not supported with a suffix.", "suffix")
+            raise bad_request("suffix: fill-in-the-middle does not echo the prompt; drop echo or the suffix.", "suffix", "fim_unsupported")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             bad = [t for t in prompt if t >= engine.target.vocab_size]
             if bad:
