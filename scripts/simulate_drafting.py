@@ -42,6 +42,7 @@ from typing import Callable
 
 import numpy as np
 
+from specdec.engine.sequence import common_prefix_length
 from specdec.backends.base import Backend
 from specdec.bench.datasets import load_prompts
 from specdec.drafters.auto import AutoDrafter
@@ -69,14 +70,7 @@ def drafter_factories(cost: CostModel) -> dict[str, Callable[[], tuple[Drafter, 
     return factories
 
 
-def agreeing_prefix(proposed, actual) -> int:
-    """How many leading tokens of `proposed` equal `actual`'s."""
-    matched = 0
-    for token, expected in zip(proposed, actual):
-        if token != expected:
-            break
-        matched += 1
-    return matched
+agreeing_prefix = common_prefix_length  # how many leading tokens of a proposal equal the actual text's
 
 
 class OracleLookup(Drafter):
