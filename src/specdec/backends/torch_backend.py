@@ -6,23 +6,12 @@ torch and transformers are imported only when this backend is built, so the llam
 `specdec --help` never load them.
 
 Exact mode (the default) makes evaluating k tokens at once give, at every position, bit for bit
-the logits of k one-token steps. Measured with torch 2.13 (CPU, 1 and 2 threads) on this
-machine's AVX-512/BF16 CPU, batches of 2, 3, 4, 5, 8 and 16 rows after caches of 5, 40 and 200:
-- float32: a forward over n >= 2 rows differs from n one-row forwards in the last bits (up to
-  1e-5 on the tests' tiny Qwen2), at every n and cache length tried; a single linear layer alone
-  does so at every shape tried, from the tiny model's 64x128 to the 1.5B's 1536x8960 and its
-  1536x151936 head: one row runs a matrix-vector kernel, more rows a matrix-matrix kernel with
-  another accumulation order;
-- bfloat16: the tiny model's batches were exact up to 5 rows under sdpa attention (8 and 16
-  differ; under eager all were exact), because its narrow products round to the same bfloat16;
-  at the 1.5B's shapes (1536x8960, 1536x151936) a linear layer over 2 rows already differs.
-So no batch of more than one row is bit-exact at real sizes, and exact mode evaluates
-decode-time tokens one row per forward (EXACT_MAX_DECODE_ROWS). Verifying k drafted tokens then
-costs k + 1 forwards: exact speculation on this backend shows equality but cannot save target
-time. `exact=False` batches them (faster, lossy). Prompt processing keeps large batches, since the
-one-token steps and the verifications that follow share its cache — in chunks aligned to multiples
-of 64 positions, so that prefix caching reuses only positions computed exactly as a fresh prompt
-would compute them.
+the logits of k one-token steps: no batch of more than one row is bit-exact at real sizes (one row
+runs a matrix-vector kernel, more rows a matrix-matrix kernel with another accumulation order;
+docs/exactness.md, "PyTorch"), so decode-time tokens go one row per forward and exact speculation
+here shows equality but saves no target time. `exact=False` batches them (faster, lossy). Prompts
+go in large chunks aligned to multiples of 64, so prefix caching reuses only positions computed as
+a fresh prompt computes them.
 """
 from __future__ import annotations
 

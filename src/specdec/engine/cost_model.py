@@ -44,8 +44,8 @@ class CostModel:
 
     def draft(self, n: int) -> float:
         """Seconds of one draft-model forward over n tokens: its step times the target's v(n). The
-        two run the same kernels; on a Zen 3 the draft's forwards of 2..6 tokens cost 1.16 1.29
-        1.40 1.56 1.77 steps, the target's 1.11 1.22 1.43 1.55 1.78."""
+        two run the same kernels, so their curves agree (docs/notebook.md, "the draft's prompt with
+        the target's")."""
         return (self.draft_step_seconds or 0.0) * self.relative(n)
 
     def draft_prompt(self, n: int) -> float:

@@ -127,34 +127,19 @@ FUNCTIONS = {
     "llama_kv_cache_seq_cp": ([_p, c_seq_id, c_seq_id, c_pos, c_pos], None),
 }
 
-# Exact mode's kernel rules, measured with this wheel on a 2-core AMD EPYC (Zen 4; the wheel runs
-# its AVX2 kernels), docs/exactness.md:
-# - a matrix product over fewer than 32 rows unpacks each block of 4-bit weights once for up to 8
-#   rows and accumulates every row in the same order, so 1..31 rows give bit for bit the logits
-#   of one-token steps (measured for 2..31 rows after caches of 300, 3000 and 4000 tokens); from
-#   32 rows another kernel takes over, with its own order;
-# - a prompt position's numbers depend on the chunk that computed it (the last 188 rows of a
-#   700-token prompt in one call, or in 64-row chunks: next-token logits 0.26 apart), so prompts
-#   are processed in mainline's chunks: 64 rows, aligned to multiples of 64;
-# - without flash attention: with it, 2..31 rows after a 300-token cache already differ from
-#   one-token steps (its tiling of the KV follows the query rows), and it aborts the process
-#   (GGML_ASSERT(S > 0)) when a context holds two sequences;
-# - one context per sequence: all sequences of a context share one KV cache, and a sequence's
-#   numbers change with where its cells land among the others' (measured: up to 0.29 apart).
+# Exact mode's kernel rules for PyPI's wheel (its AVX2 kernels); the measurements behind each are
+# in docs/exactness.md, "ik_llama.cpp": up to 31 rows share the one-token kernel's summing order;
+# prompt positions depend on their chunk, so prompts go in 64-row chunks aligned to 64; flash
+# attention tiles the KV by query rows (and aborts on two sequences); a shared cache moves a
+# sequence's numbers with where its cells land, so each sequence gets a context of its own.
 EXACT_RULES = KernelRules(max_decode_rows=31, prefill_alignment=64, max_prefill_rows=64, flash_attn=False,
                           context_per_sequence=True)
 # Lossy: every sequence in one shared cache and one llama_decode call (faster with several streams).
 INEXACT_RULES = KernelRules(max_decode_rows=None, prefill_alignment=1, flash_attn=False)
-# With the target's weights repacked at load time into row-interleaved types (Q4_K -> Q4_K_R4,
-# Q6_K -> Q6_K_R4), every row count from 2 up runs the same kernel, each row accumulated on its
-# own: after caches of 300 and 3000 tokens, calls of 2..64 rows give bit for bit the logits of
-# the same positions evaluated in 2-row calls, and prompts split as 64-aligned chunks, 8-row
-# chunks or 512 + rest give the same next-token logits. A single row runs a kernel of its own
-# (the minimums summed in another order: 8 rows up to 0.58 from 8 one-row steps), so no call
-# holds fewer than 2 rows.
-# The repacked kernels are faster at every row count (Zen 4, 2 threads: 1 row 38 ms, 2 rows 46,
-# 4 rows 68 vs 41, 63, 92 as stored): a one-token step padded to 2 rows costs about what one row
-# as stored does, and the second row can carry a proposal for nothing. scripts/probe_ik_kernels.py.
+# Weights repacked at load into row-interleaved types (Q4_K -> Q4_K_R4): every row count from 2 up
+# runs one kernel that accumulates each row on its own, and it is faster at every row count; a
+# single row runs a kernel of its own, so no call holds fewer than 2 rows (docs/exactness.md,
+# "The target repacked"; scripts/probe_ik_kernels.py).
 REPACKED_EXACT_RULES = KernelRules(max_decode_rows=64, prefill_alignment=64, max_prefill_rows=64, flash_attn=False,
                                    context_per_sequence=True, min_rows=2)
 # Built from source with scripts/patch_ik_llama_cpp.sh (its one-row kernels summing in the multi-row
@@ -271,8 +256,8 @@ class IkLlamaBinding(LlamaBinding):
         params = self._lib.llama_model_default_params()
         params.n_gpu_layers = 0
         params.vocab_only = vocab_only
-        # Run-time repacking into row-interleaved types: the draft's step 13.2 ms instead of
-        # 19.9 ms on a 2-core Zen 4; exact only under rules(repacked=True).
+        # Run-time repacking into row-interleaved types: faster steps (docs/exactness.md, "The
+        # target repacked"); exact only under rules(repacked=True).
         params.repack_tensors = repack
         return self._lib.llama_model_load_from_file(str(path).encode(), params)
 
