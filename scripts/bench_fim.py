@@ -23,7 +23,8 @@ import sysconfig
 from pathlib import Path
 
 from specdec.bench.runner import reset_between_generations
-from specdec.runtime import add_model_arguments, load_engine, model_config
+from specdec.config_flags import add_model_arguments, config_from_args
+from specdec.runtime import load_engine
 from specdec.server.fim import InfillRequest, encode_infill, fim_stop_tokens
 from specdec.types import GenerationRequest, SamplingParams, SpecConfig
 
@@ -84,10 +85,11 @@ def main() -> int:
     print(f"bench_fim: {len(prompts)} functions from {stdlib} (Python {sys.version.split()[0]}), "
           f"methods {methods}, {args.repeats} repeats, {args.max_tokens} tokens", file=sys.stderr)
 
-    models = model_config(args)
+    config = config_from_args(args)
+    models = config.models
     if not {"draft", "auto"} & set(methods):
         models = models.without_draft()
-    engine = load_engine(models)
+    engine = load_engine(models, engine=config.engine)
     out = open(args.out, "w", encoding="utf-8") if args.out else None
     try:
         if "auto" in methods:

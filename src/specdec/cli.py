@@ -8,6 +8,7 @@ import argparse
 import importlib
 import json
 import sys
+from functools import partial
 
 from specdec.types import SpecdecError
 
@@ -40,17 +41,19 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from specdec.runtime import load_engine, model_config
-    from specdec.types import GenerationRequest, SamplingParams, SpecConfig
+    from specdec import runtime
+    from specdec.config_flags import config_from_args
+    from specdec.types import GenerationRequest, SamplingParams
 
     if args.max_tokens is not None and args.max_tokens < 0:
         raise SpecdecError("--max-tokens must be >= 0.")
-    models = model_config(args)
-    if args.method not in ("draft", "auto"):
+    config = config_from_args(args)
+    spec, models = config.server.spec, config.models
+    if spec.method not in ("draft", "auto"):
         models = models.without_draft()
-    engine = load_engine(models)
+    engine = runtime.load_engine(models, engine=config.engine)
     try:
-        if args.method == "auto":
+        if spec.method == "auto":
             from specdec.machine_profile import load_or_calibrate
 
             cost, measured = load_or_calibrate(engine)
@@ -62,7 +65,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             prompt_token_ids=tuple(prompt_ids),
             max_tokens=args.max_tokens,
             sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed),
-            spec=SpecConfig(args.method, args.num_draft_tokens),
+            spec=spec,
             stop=tuple(args.stop or ()),
         )
         if args.json:
@@ -88,6 +91,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     at a time, in rounds; print one JSON line per configuration, then a table and the exact one to
     default to."""
     from specdec import runtime
+    from specdec.config_flags import config_from_args
     from specdec.machine_profile import (choose, format_table, measure_configs, parse_backend_configs, save_profile,
                                          saved_choice)
 
@@ -99,14 +103,15 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             print(f"specdec calibrate: this machine's profile is current (default {current.label}); nothing to do",
                   file=sys.stderr)
             return 0
-    models = runtime.model_config(args)
+    config = config_from_args(args)
+    models = config.models
     configs = parse_backend_configs(args.configs) if args.configs else [models.backend]
-    if args.if_missing and sum(config.exact for config in configs) < 2:
+    if args.if_missing and sum(each.exact for each in configs) < 2:
         print("specdec calibrate: fewer than two exact configurations installed; nothing to choose between",
               file=sys.stderr)
         return 0
     rounds = args.rounds or (3 if len(configs) > 1 else 1)
-    entries = measure_configs(models, configs, runtime.load_engine, rounds,
+    entries = measure_configs(models, configs, partial(runtime.load_engine, engine=config.engine), rounds,
                               progress=lambda line: print(f"specdec calibrate: {line}", file=sys.stderr, flush=True))
     for entry in entries:
         print(json.dumps(entry), flush=True)
@@ -135,7 +140,7 @@ def format_stats_line(stats: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdec.runtime import add_method_arguments, add_model_arguments
+    from specdec.config_flags import add_method_arguments, add_model_arguments
 
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding on CPU.")
     commands = parser.add_subparsers(dest="command", required=True)

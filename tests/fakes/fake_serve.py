@@ -22,16 +22,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `fakes` when run
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
-def fake_engine(models, n_slots: int = 1):
+def fake_engine(models, n_slots: int = 1, engine=None):
     from fakes.timed_backend import TimedFakeBackend
 
-    from specdec.engine.engine import Engine
+    from specdec.engine.engine import Engine, EngineConfig
 
     costs = [float(os.environ.get(name, "0")) for name in
              ("SPECDEC_FAKE_FORWARD", "SPECDEC_FAKE_ROW", "SPECDEC_FAKE_PROMPT_ROW")]
     target = TimedFakeBackend(*costs, seed=7)
     draft = TimedFakeBackend(*(cost / 3 for cost in costs), seed=7, noise=0.6)
-    return Engine(target, draft, n_slots=n_slots)
+    return Engine(target, draft, engine or EngineConfig(), n_slots=n_slots)
 
 
 def main(argv: list[str]) -> int:

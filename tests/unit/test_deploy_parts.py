@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from specdec.cli import main
+from specdec.config_flags import config_from_args
+from specdec.server.cli import parse_serve_flags
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,15 +31,19 @@ def test_ray_flags_without_ray_are_refused(capsys):
 ray_serve = pytest.importorskip("ray.serve")
 
 
+def serve_config(argv):
+    """The configuration `specdec serve ARGV` (with --ray) deploys."""
+    return config_from_args(parse_serve_flags(argv), keys=True, ray=True)
+
+
 def test_deployment_options_from_serve_flags():
     from specdec.deploy.app import ROUTER, ScaleConfig, deployment_options
-    from specdec.deploy.cli import replica_spec, scale_config
-    from specdec.server.cli import parse_serve_flags
+    from specdec.deploy.replica import replica_spec
     from specdec.types import SpecdecError
 
-    args = parse_serve_flags(["--ray", "--model", "t.gguf", "--parallel", "3", "--max-queue", "20", "--drain-grace",
+    config = serve_config(["--ray", "--model", "t.gguf", "--parallel", "3", "--max-queue", "20", "--drain-grace",
                               "10", "--threads-per-replica", "2", "--min-replicas", "1", "--max-replicas", "4"])
-    spec, scale = replica_spec(args), scale_config(args)
+    spec, scale = replica_spec(config), config.scale
     assert spec.slots == 3 and spec.models.threads == 2 and spec.server.drain_grace == 10
     options = deployment_options(spec, scale)
     assert options["ray_actor_options"] == {"num_cpus": 2}
@@ -54,18 +60,17 @@ def test_deployment_options_from_serve_flags():
         with pytest.raises(SpecdecError):
             bad.validate()
     with pytest.raises(SpecdecError, match="--threads-per-replica"):
-        replica_spec(parse_serve_flags(["--ray", "--model", "t.gguf", "--threads", "4"]))
+        replica_spec(serve_config(["--ray", "--model", "t.gguf", "--threads", "4"]))
 
 
 def test_autoscaling_delays_from_serve_flags():
     from specdec.deploy.app import build_application, deployment_options
-    from specdec.deploy.cli import replica_spec, scale_config
-    from specdec.server.cli import parse_serve_flags
+    from specdec.deploy.replica import replica_spec
     from specdec.types import SpecdecError
 
     def options(*flags):
-        args = parse_serve_flags(["--ray", "--model", "t.gguf", "--parallel", "2", *flags])
-        return deployment_options(replica_spec(args), scale_config(args))
+        config = serve_config(["--ray", "--model", "t.gguf", "--parallel", "2", *flags])
+        return deployment_options(replica_spec(config), config.scale)
 
     autoscaling = ["--min-replicas", "1", "--max-replicas", "3"]
     delays = options(*autoscaling, "--upscale-delay", "2.5", "--downscale-delay", "0")["autoscaling_config"]
@@ -80,9 +85,9 @@ def test_autoscaling_delays_from_serve_flags():
     with pytest.raises(SpecdecError, match="^--upscale-delay must be >= 0.$"):
         options(*autoscaling, "--upscale-delay", "-1")
     # More of Ray's fields, as a Serve config's `deployments:` section sets them: autoscaling only.
-    args = parse_serve_flags(["--ray", "--model", "t.gguf", "--replicas", "2"])
+    config = serve_config(["--ray", "--model", "t.gguf", "--replicas", "2"])
     with pytest.raises(SpecdecError, match="need --min-replicas"):
-        build_application(replica_spec(args), scale_config(args), {"look_back_period_s": 2})
+        build_application(replica_spec(config), config.scale, {"look_back_period_s": 2})
 
 
 # -- API-key affinity ------------------------------------------------------------------------------
@@ -302,17 +307,25 @@ def test_a_replica_pulls_only_the_default_models_its_node_lacks(tmp_path, monkey
     assert pulled == []
 
 
-def test_the_serve_config_builder_takes_the_commands_flags():
+def test_the_serve_config_builder_takes_the_configuration(tmp_path, monkeypatch):
     from ray.serve import Application
+    from ray.serve._private.build_app import build_app
 
-    from specdec.deploy.app import build
+    from specdec.deploy.app import DEPLOYMENT_NAME, build
     from specdec.types import SpecdecError
 
-    app = build({"flags": "--replicas 3 --threads-per-replica 2 --model t.gguf"})
+    app = build({"scale": {"replicas": 3, "threads_per_replica": 2}, "models": {"target": "t.gguf"}})
     assert isinstance(app, Application)
-    assert isinstance(build({"flags": ["--replicas", "2", "--model", "t.gguf"]}), Application)
-    with pytest.raises(SpecdecError):
-        build({"flags": "--replicas 0 --model t.gguf"})
+    with pytest.raises(SpecdecError, match="^--replicas and --threads-per-replica must be >= 1"):
+        build({"scale": {"replicas": 0}, "models": {"target": "t.gguf"}})
+    with pytest.raises(SpecdecError, match="not `flags`"):
+        build({"flags": "--replicas 2 --model t.gguf"})
+    # A TOML file named in the args, the args' own sections over it, the environment over both.
+    (tmp_path / "specdec.toml").write_text('slots = 3\n[models]\ntarget = "t.gguf"\n[scale]\nreplicas = 4\n')
+    monkeypatch.setenv("SPECDEC_SCALE_REPLICAS", "2")
+    built = build_app(build({"config": str(tmp_path / "specdec.toml"), "slots": 5}), name="specdec")
+    replicas = {d.name: d for d in built.deployments}[DEPLOYMENT_NAME]
+    assert replicas.num_replicas == 2 and replicas.init_args[0].slots == 5
 
 
 def test_the_replicas_are_the_ingress_and_the_metrics_hub_a_second_deployment():
@@ -320,7 +333,7 @@ def test_the_replicas_are_the_ingress_and_the_metrics_hub_a_second_deployment():
 
     from specdec.deploy.app import DEPLOYMENT_NAME, METRICS_HUB_NAME, ROUTER, build
 
-    built = build_app(build({"flags": "--replicas 2 --model t.gguf"}), name="specdec")
+    built = build_app(build({"scale": {"replicas": 2}, "models": {"target": "t.gguf"}}), name="specdec")
     assert built.ingress_deployment_name == DEPLOYMENT_NAME  # Ray's proxy sends HTTP to the replicas
     deployments = {d.name: d for d in built.deployments}
     assert set(deployments) == {DEPLOYMENT_NAME, METRICS_HUB_NAME}
@@ -636,25 +649,25 @@ def no_keys_in_env(monkeypatch):
 
 
 def test_the_replica_spec_carries_no_key_and_a_replica_finds_them_on_its_node(tmp_path, monkeypatch, no_keys_in_env):
-    from specdec.deploy.cli import local_ray_environment, replica_spec
+    from specdec.deploy.cli import local_ray_environment
+    from specdec.deploy.replica import replica_spec
     from specdec.deploy.replica import keys_on_this_node
-    from specdec.server.cli import parse_serve_flags
     from specdec.types import SpecdecError
 
     keys_file = tmp_path / "keys"
     keys_file.write_text(f"alice {ALICE_1}\nalice {ALICE_2}\nbob {BOB}\n")
     keys_file.chmod(0o600)
     monkeypatch.chdir(tmp_path)
-    args = parse_serve_flags(["--ray", "--model", "t.gguf", "--api-keys-file", "keys", "--max-body-bytes", "5000"])
-    spec = replica_spec(args)
+    config = serve_config(["--ray", "--model", "t.gguf", "--api-keys-file", "keys", "--max-body-bytes", "5000"])
+    spec = replica_spec(config)
     stored = pickle.dumps(spec)
     assert not any(key.encode() in stored for key in (ALICE_1, ALICE_2, BOB))
     assert spec.server.api_key is None and spec.server.api_keys == ()
     assert spec.api_keys_file == str(keys_file) and spec.key_tenants == ("alice", "bob")
     server = keys_on_this_node(spec, {})  # the file, read on the replica's node
     assert dict(server.api_keys) == {ALICE_1: "alice", ALICE_2: "alice", BOB: "bob"}
-    assert local_ray_environment(args, spec)["SPECDEC_API_KEYS_FILE"] == str(keys_file)
-    assert local_ray_environment(args, spec)["SPECDEC_MAX_BODY_BYTES"] == "5000"
+    assert local_ray_environment(config, spec)["SPECDEC_API_KEYS_FILE"] == str(keys_file)
+    assert local_ray_environment(config, spec)["SPECDEC_MAX_BODY_BYTES"] == "5000"
     # A rotation (another key of a tenant) is fine; a node with other tenants' keys, or none, refuses.
     keys_file.write_text(f"alice {ALICE_1}\nalice sk-alice-3\nbob {BOB}\n")
     assert len(keys_on_this_node(spec).api_keys) == 3
@@ -665,44 +678,43 @@ def test_the_replica_spec_carries_no_key_and_a_replica_finds_them_on_its_node(tm
 
     # One key from the environment: the same on the node (the CLI's local Ray inherits it).
     monkeypatch.setenv("SPECDEC_API_KEY", "sk-default")
-    spec = replica_spec(parse_serve_flags(["--ray", "--model", "t.gguf"]))
+    spec = replica_spec(serve_config(["--ray", "--model", "t.gguf"]))
     assert b"sk-default" not in pickle.dumps(spec) and spec.key_tenants == ("default",)
     assert keys_on_this_node(spec, {"SPECDEC_API_KEY": "sk-default"}).api_key == "sk-default"
     with pytest.raises(SpecdecError, match="give every node the same keys"):
         keys_on_this_node(spec, {})
     # A deployment started without keys serves under the keys its nodes have (never fewer checks).
     monkeypatch.delenv("SPECDEC_API_KEY")
-    spec = replica_spec(parse_serve_flags(["--ray", "--model", "t.gguf"]))
+    spec = replica_spec(serve_config(["--ray", "--model", "t.gguf"]))
     assert spec.key_tenants == () and keys_on_this_node(spec, {"SPECDEC_API_KEYS": "carol sk-c"}).api_keys == (
         ("sk-c", "carol"),)
 
 
 def test_an_api_key_flag_is_refused_where_it_would_travel_in_rays_state(capsys, no_keys_in_env):
     from specdec.deploy.app import build
-    from specdec.deploy.cli import local_ray_environment, replica_spec
-    from specdec.server.cli import parse_serve_flags
+    from specdec.deploy.cli import local_ray_environment
+    from specdec.deploy.replica import replica_spec
     from specdec.types import SpecdecError
 
     with pytest.raises(SpecdecError, match="^--api-key in a Serve config would put the key in the config"):
-        build({"flags": "--api-key sk-secret --model t.gguf"})
+        build({"server": {"api_key": "sk-secret"}, "models": {"target": "t.gguf"}})
     assert main(["serve", "--ray", "--address", "127.0.0.1:1", "--api-key", "sk-secret", "--model", "t.gguf"]) == 2
     err = capsys.readouterr().err
     assert "--api-key with --address would put the key in the deployment's arguments" in err and "sk-secret" not in err
     # The local Ray this command starts gets it through its environment instead.
-    args = parse_serve_flags(["--ray", "--api-key", "sk-secret", "--model", "t.gguf"])
-    spec = replica_spec(args)
+    config = serve_config(["--ray", "--api-key", "sk-secret", "--model", "t.gguf"])
+    spec = replica_spec(config)
     assert b"sk-secret" not in pickle.dumps(spec)
-    environment = local_ray_environment(args, spec)
+    environment = local_ray_environment(config, spec)
     assert environment["SPECDEC_API_KEY"] == "sk-secret"
     assert environment["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "specdec.deploy.proxy:middlewares"
 
 
 def test_a_full_queue_is_a_429_with_retry_after_as_under_specdec_serve():
     from specdec.deploy.app import deployment_options
-    from specdec.deploy.cli import replica_spec, scale_config
-    from specdec.server.cli import parse_serve_flags
+    from specdec.deploy.replica import replica_spec
 
-    args = parse_serve_flags(["--ray", "--model", "t.gguf", "--max-queue", "3"])
-    options = deployment_options(replica_spec(args), scale_config(args))
+    config = serve_config(["--ray", "--model", "t.gguf", "--max-queue", "3"])
+    options = deployment_options(replica_spec(config), config.scale)
     assert options["max_queued_requests"] == 3
     assert (options["backpressure_config"].status_code, options["backpressure_config"].retry_after_s) == (429, 1)

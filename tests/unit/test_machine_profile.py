@@ -16,6 +16,7 @@ from specdec import runtime
 from specdec.backends.fake import FakeBackend
 from specdec.backends.registry import REGISTRY, BackendConfig
 from specdec.cli import build_parser, main
+from specdec.config_flags import config_from_args
 from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
 from specdec.machine_profile import (MAX_SAVED_COST_MODELS, best_speculative_rate, choose,
@@ -125,7 +126,7 @@ def fake_engines(monkeypatch):
     `slowdowns` to make the next loads that much slower (a VM's drift)."""
     loaded, open_now, most_open, slowdowns = [], [0], [0], []
 
-    def load_engine(models, n_slots=1):
+    def load_engine(models, n_slots=1, engine=None):
         label = models.backend.label
         if label not in FAKE_COSTS:
             raise SpecdecError(f"{label} is not installed here")
@@ -234,7 +235,7 @@ def loaded_backend(monkeypatch, argv):
 
     monkeypatch.setattr(runtime, "load_backend", load_backend)
     args = build_parser().parse_args(["generate", "x", "--model", "t.gguf", "--draft-model", "d.gguf", *argv])
-    runtime.load_engine(runtime.model_config(args)).close()
+    runtime.load_engine(config_from_args(args).models).close()
     assert len(set(seen)) == 1
     return seen[0]
 
@@ -268,9 +269,8 @@ def test_a_command_without_backend_uses_the_choice_saved_on_this_machine(monkeyp
 
 
 def test_resolving_the_default_backend_loads_no_library(specdec_home):
-    code = ("import argparse, sys; from specdec.runtime import backend_config; "
-            "args = argparse.Namespace(backend=None, dtype=None, inexact=False); "
-            "assert backend_config(args).backend in ('ik_llama.cpp', 'llama.cpp', 'torch'); "
+    code = ("import sys; from specdec.runtime import backend_config; "
+            "assert backend_config().backend in ('ik_llama.cpp', 'llama.cpp', 'torch'); "
             "assert not {'torch', 'transformers', 'llama_cpp'} & set(sys.modules); "
             "assert 'specdec.backends.llama_family' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

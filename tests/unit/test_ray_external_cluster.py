@@ -24,6 +24,11 @@ yaml = pytest.importorskip("yaml")
 
 from test_ray_serve import FLAGS, MODEL, answer, free_ports, ray_env, served_by, wait_for_answer  # noqa: E402
 
+# FLAGS as a Serve config's args: the configuration's sections.
+SERVE_ARGS = {"slots": 4, "models": {"target": "fake.gguf"},
+              "server": {"max_queue": 64, "served_model_name": MODEL, "drain_grace": 5, "spec": {"method": "ngram"}},
+              "scale": {"replicas": 2, "threads_per_replica": 1, "engine_factory": "fakes.fake_serve:fake_engine"}}
+
 pytestmark = pytest.mark.timeout(240)
 
 BIN = Path(sys.executable).parent  # `ray` and `serve` of this environment
@@ -126,7 +131,7 @@ def test_serve_deploy_a_config_file_then_serve_shutdown(head, tmp_path):
     # The shape docs/scale-out.md gives, on loopback and a free port.
     config = {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": port},
               "applications": [{"name": "specdec", "route_prefix": "/", "import_path": "specdec.deploy.app:build",
-                                "args": {"flags": " ".join(flag for flag in FLAGS if flag != "--ray")}}]}
+                                "args": SERVE_ARGS}]}
     (tmp_path / "specdec-serve.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     deployed = run([str(BIN / "serve"), "deploy", str(tmp_path / "specdec-serve.yaml"), "--address", head.dashboard])
     assert deployed.returncode == 0, deployed.stderr[-2000:]

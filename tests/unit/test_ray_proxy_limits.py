@@ -21,7 +21,9 @@ serve = pytest.importorskip("ray.serve")
 
 from test_ray_serve import FLAGS, MODEL, local_deployment  # noqa: E402
 
-from specdec.deploy.cli import local_ray_environment, replica_spec  # noqa: E402
+from specdec.config_flags import config_from_args  # noqa: E402
+from specdec.deploy.cli import local_ray_environment  # noqa: E402
+from specdec.deploy.replica import replica_spec  # noqa: E402
 from specdec.server.cli import parse_serve_flags  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -48,10 +50,10 @@ def environment(variables: dict):
 def endpoint():
     keys = {"SPECDEC_API_KEYS": f"alice {ALICE_1}, alice {ALICE_2}, bob {BOB}"}
     with environment(keys):
-        args = parse_serve_flags(LIMIT_FLAGS)
+        config = config_from_args(parse_serve_flags(LIMIT_FLAGS), keys=True, ray=True)
         # What `specdec serve --ray` gives the local Ray it starts: the body limits (and the keys,
         # here already in the environment).
-        with environment(local_ray_environment(args, replica_spec(args))):
+        with environment(local_ray_environment(config, replica_spec(config))):
             with local_deployment(START_FAILURES, LIMIT_FLAGS) as url:
                 yield url
 

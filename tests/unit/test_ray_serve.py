@@ -30,9 +30,11 @@ from fakes.scrape import by_replica, families_of, replicas_of  # noqa: E402
 from specdec.client import AsyncClient, RetryPolicy  # noqa: E402
 from specdec.client.batch import BatchSettings, read_input, read_results, run_batch  # noqa: E402
 from specdec.deploy.app import DEPLOYMENT_NAME, build_application  # noqa: E402
-from specdec.deploy.cli import APP_NAME, replica_spec, scale_config  # noqa: E402
+from specdec.config_flags import config_from_args  # noqa: E402
+from specdec.deploy.cli import APP_NAME  # noqa: E402
 from specdec.deploy.metrics import EXPIRY_INTERVALS, PUSH_INTERVAL_SECONDS  # noqa: E402
 from specdec.deploy.proxy import CALLBACK, CALLBACK_ENV  # noqa: E402
+from specdec.deploy.replica import replica_spec  # noqa: E402
 from specdec.server.cli import parse_serve_flags  # noqa: E402
 from specdec.server.testing import free_port  # noqa: E402
 
@@ -122,9 +124,8 @@ def deploy_on(cluster, flags: list[str] = FLAGS, running: int = 2, autoscaling: 
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    args = parse_serve_flags(flags)
-    serve.run(build_application(replica_spec(args), scale_config(args), autoscaling), name=APP_NAME,
-              route_prefix="/")
+    config = config_from_args(parse_serve_flags(flags), keys=True, ray=True)
+    serve.run(build_application(replica_spec(config), config.scale, autoscaling), name=APP_NAME, route_prefix="/")
     wait_for_running(running)
     return port
 

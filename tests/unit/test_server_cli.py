@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from specdec.cli import build_parser, main
-from specdec.server.cli import build_config
+from specdec.config_flags import config_from_args
 from specdec.server.testing import free_port
 from specdec.types import DEFAULT_METHOD, SpecdecError
 
@@ -23,18 +23,23 @@ def parse(*argv):
     return build_parser().parse_args(["serve", *argv])
 
 
+def server_config(*argv):
+    """The server section `specdec serve ARGV` runs with (its name "x" unless ARGV names one)."""
+    return config_from_args(parse("--served-model-name", "x", *argv), keys=True).server
+
+
 def test_flags_and_defaults(monkeypatch):
     monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
     args = parse()
     assert (args.host, args.port, args.parallel, args.max_tokens, args.method) == ("127.0.0.1", 8000, 4, 1024, DEFAULT_METHOD)
-    config = build_config(parse("--model", "/m/My-Model.Q4.gguf", "--method", "draft", "--num-draft-tokens", "5",
-                                "--max-queue", "3"), "My-Model.Q4")
+    config = config_from_args(parse("--model", "/m/My-Model.Q4.gguf", "--method", "draft", "--num-draft-tokens", "5",
+                                    "--max-queue", "3"), keys=True).server
     assert config.served_model_name == "My-Model.Q4" and config.api_key is None
     assert (config.spec.method, config.spec.num_draft_tokens, config.max_queue) == ("draft", 5, 3)
     monkeypatch.setenv("SPECDEC_API_KEY", "from-env")
-    assert build_config(parse(), "x").api_key == "from-env"
-    assert build_config(parse("--api-key", "flag"), "x").api_key == "flag"
-    assert build_config(parse("--served-model-name", "coder"), "x").served_model_name == "coder"
+    assert server_config().api_key == "from-env"
+    assert server_config("--api-key", "flag").api_key == "flag"
+    assert server_config("--served-model-name", "coder").served_model_name == "coder"
 
 
 @pytest.mark.parametrize("argv", [["--parallel", "0"], ["--max-tokens", "0"], ["--max-queue", "-1"],
@@ -42,7 +47,7 @@ def test_flags_and_defaults(monkeypatch):
                                   ["--num-draft-tokens", "99"]])
 def test_bad_flags_are_one_line_errors(argv):
     with pytest.raises(SpecdecError):
-        build_config(parse(*argv), "x")
+        server_config(*argv)
 
 
 def test_cli_reports_bad_flags_without_traceback(capsys):
@@ -62,7 +67,8 @@ class Slow(FakeBackend):
         time.sleep(0.005)
         return super().eval(*args, **kwargs)
 
-specdec.runtime.load_engine = lambda models, n_slots=1: Engine(Slow(seed=7), FakeBackend(seed=7, noise=0.6), n_slots=n_slots)
+specdec.runtime.load_engine = lambda models, n_slots=1, engine=None: Engine(
+    Slow(seed=7), FakeBackend(seed=7, noise=0.6), n_slots=n_slots)
 from specdec.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -1,12 +1,12 @@
 """API keys and tenants (server/tenants.py), the Host allow-list (server/hosts.py), and the
-`specdec serve` flags of the limits, keys and hosts (server/cli.py's build_config)."""
+`specdec serve` flags of the limits, keys and hosts (the server section they configure)."""
 import logging
 import os
 
 import pytest
 
 from specdec.cli import build_parser
-from specdec.server.cli import build_config
+from specdec.config_flags import config_from_args
 from specdec.server.config import ServerConfig
 from specdec.server.hosts import allowed_hosts_for, host_allowed, host_name
 from specdec.server.tenants import (
@@ -223,19 +223,24 @@ def parse(*argv):
     return build_parser().parse_args(["serve", *argv])
 
 
+def server_config(*argv):
+    """The server section `specdec serve ARGV` runs with (its name "x" unless ARGV names one)."""
+    return config_from_args(parse("--served-model-name", "x", *argv), keys=True).server
+
+
 def test_limit_flags_and_their_defaults():
-    config = build_config(parse(), "x")
+    config = server_config()
     assert config == ServerConfig(served_model_name="x", spec=config.spec,
                                   allowed_hosts=("localhost", "127.0.0.1", "::1"))
-    config = build_config(parse("--max-body-bytes", "1000", "--max-prompt-bytes", "500", "--body-timeout", "2",
+    config = server_config("--max-body-bytes", "1000", "--max-prompt-bytes", "500", "--body-timeout", "2",
                                 "--header-timeout", "3", "--keep-alive-timeout", "4", "--limit-concurrency", "5",
                                 "--max-header-bytes", "2048", "--write-timeout", "6", "--sse-keepalive", "7",
-                                "--coalesce-stream-chunks", "--shared-history", "--public-metrics"), "x")
+                                "--coalesce-stream-chunks", "--shared-history", "--public-metrics")
     assert (config.max_body_bytes, config.max_prompt_bytes, config.body_timeout, config.header_timeout,
             config.keep_alive_timeout, config.limit_concurrency, config.max_header_bytes, config.write_timeout,
             config.sse_keepalive) == (1000, 500, 2.0, 3.0, 4.0, 5, 2048, 6.0, 7.0)
     assert not config.stream_one_token_per_chunk and config.shared_history and config.public_metrics
-    assert build_config(parse("--limit-concurrency", "0"), "x").limit_concurrency is None
+    assert server_config("--limit-concurrency", "0").limit_concurrency is None
 
 
 @pytest.mark.parametrize("argv", [
@@ -245,27 +250,27 @@ def test_limit_flags_and_their_defaults():
 ])
 def test_bad_limit_flags_are_one_line_errors(argv):
     with pytest.raises(SpecdecError, match=argv[0]):
-        build_config(parse(*argv), "x")
+        server_config(*argv)
 
 
 def test_host_flags():
-    assert build_config(parse("--host", "0.0.0.0"), "x").allowed_hosts is None
-    assert build_config(parse("--host", "0.0.0.0", "--allowed-hosts", "api.example.com"), "x").allowed_hosts == (
+    assert server_config("--host", "0.0.0.0").allowed_hosts is None
+    assert server_config("--host", "0.0.0.0", "--allowed-hosts", "api.example.com").allowed_hosts == (
         "api.example.com",)
-    assert build_config(parse("--allowed-hosts", "*"), "x").allowed_hosts is None
-    assert build_config(parse("--allowed-hosts", "a.example,*.b.example"), "x").allowed_hosts == (
+    assert server_config("--allowed-hosts", "*").allowed_hosts is None
+    assert server_config("--allowed-hosts", "a.example,*.b.example").allowed_hosts == (
         "localhost", "127.0.0.1", "::1", "a.example", "*.b.example")
 
 
 def test_key_flags_and_environment(tmp_path, monkeypatch, caplog):
     path = keys_file(tmp_path, "alice sk-a\nbob sk-b\n")
-    config = build_config(parse("--api-keys-file", path), "x")
+    config = server_config("--api-keys-file", path)
     assert config.api_key is None and config.api_keys == (("sk-a", "alice"), ("sk-b", "bob"))
     monkeypatch.setenv("SPECDEC_API_KEYS", "carol sk-c")
-    assert build_config(parse(), "x").api_keys == (("sk-c", "carol"),)
+    assert server_config().api_keys == (("sk-c", "carol"),)
     with caplog.at_level(logging.WARNING, logger="specdec.server"):
-        assert build_config(parse("--api-key", "sk-flag"), "x").api_key == "sk-flag"
+        assert server_config("--api-key", "sk-flag").api_key == "sk-flag"
     assert any("process list" in r.getMessage() for r in caplog.records)  # a flag is visible in `ps`
     assert all("sk-flag" not in r.getMessage() for r in caplog.records)
     with pytest.raises(SpecdecError, match="given twice"):
-        build_config(parse("--api-key", "sk-c"), "x")
+        server_config("--api-key", "sk-c")

@@ -41,7 +41,7 @@ def _split(values) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdec.runtime import add_model_arguments
+    from specdec.config_flags import add_model_arguments
 
     parser.add_argument("--dataset", default=SPEC_BENCH,
                         help="spec-bench (read from $SPECDEC_SPEC_BENCH or ../shared/bench/), or a JSONL file "
@@ -110,9 +110,11 @@ def run_server_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     engine = None
     if args.engine_baseline:
-        from specdec.runtime import load_engine, model_config
+        from specdec.config_flags import config_from_args
+        from specdec.runtime import load_engine
 
-        engine = load_engine(model_config(args))
+        config = config_from_args(args)
+        engine = load_engine(config.models, engine=config.engine)
         engine.calibrate()  # as the server does before it serves
     try:
         rows = serving.run(prompts, list(dict.fromkeys(methods)), levels, args.max_tokens, args.repeats, out,
@@ -139,9 +141,10 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
         raise SpecdecError("--warmup must be >= 0.")
     if args.temperature < 0:
         raise SpecdecError("--temperature must be >= 0.")
-    from specdec.runtime import model_config
+    from specdec.config_flags import config_from_args
 
-    models = model_config(args)  # the backend is part of the run's settings: named before they are recorded
+    config = config_from_args(args)
+    models = config.models  # the backend is part of the run's settings: named before they are recorded
     try:
         ks = [int(k) for k in _split([args.num_draft_tokens])] if args.num_draft_tokens else None
     except ValueError:
@@ -158,6 +161,7 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
         raise SpecdecError("--no-draft contradicts the draft method in --methods.")
     if not need_draft:
         models = models.without_draft()  # load the draft model only when a draft configuration runs
+        config = replace(config, models=models)
     prompts = load_prompts(args.dataset, _split(args.categories) or None, args.per_category)
     peers = parse_peers(args.peer)
     settings = BenchSettings(args.max_tokens, args.temperature, args.repeats, args.warmup, args.seed, args.tenant_history)
@@ -169,7 +173,7 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
         if records.dropped_torn_line:
             print(f"specdec bench: dropped a torn last line from {records.path}", file=sys.stderr)
         try:
-            _measure(args, models, compare, engine_factory, prompts, configs, settings, records, meta, peers,
+            _measure(args, config, compare, engine_factory, prompts, configs, settings, records, meta, peers,
                      need_draft, out)
         except KeyboardInterrupt:
             build_report(records.records, meta, _statuses(peers, compare), out)
@@ -186,13 +190,14 @@ def _statuses(peers: dict, compare: list[str]) -> dict[str, str]:
     return {**peer_status(peers), **{compared_source(backend): COMPARED_STATUS for backend in compare}}
 
 
-def _measure(args, models, compare, engine_factory, prompts, configs, settings, records, meta, peers, need_draft,
+def _measure(args, config, compare, engine_factory, prompts, configs, settings, records, meta, peers, need_draft,
              out) -> None:
     """Our configurations, on every compared backend too (the engines are loaded only if some
     are still missing), then the peers."""
     progress = not args.no_progress
+    models = config.models
     if pending(prompts, configs, settings.repeats, records):
-        load = engine_factory or _load_engine
+        load = engine_factory or (lambda models: _load_engine(models, config.engine))
         engine = load(models)
         compared = {}
         try:
@@ -226,10 +231,10 @@ def _measure(args, models, compare, engine_factory, prompts, configs, settings, 
                         args.dtype or TORCH.dtypes[0], args.ctx_size, args.threads or default_threads(), progress=progress)
 
 
-def _load_engine(models):
+def _load_engine(models, engine_config):
     from specdec.runtime import load_engine
 
-    return load_engine(models)
+    return load_engine(models, engine=engine_config)
 
 
 def _model_paths(args: argparse.Namespace, need_draft: bool) -> tuple[str, Optional[str]]:

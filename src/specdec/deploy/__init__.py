@@ -9,9 +9,10 @@
                  which merges them, labelled `replica`
     proxy.py     middlewares in Ray's HTTP proxy: a stream whose replica died ends with an error event;
                  the prompt's digests go to the router in a header
-    app.py       the deployment (replicas, threads, autoscaling) from `specdec serve` flags or a Serve config
+    scale.py     its settings (replicas, threads, autoscaling, the cluster), no Ray: a configuration section
+    app.py       the deployment from the configuration (`specdec serve --ray`'s, or a Serve config's args)
     cli.py       `specdec serve --ray`
 
-Nothing here but prefix.py (no Ray) is imported by the single-process `specdec serve`; `ray[serve]`
+Nothing here but prefix.py and scale.py (no Ray) is imported by the single-process `specdec serve`; `ray[serve]`
 is an optional extra.
 """

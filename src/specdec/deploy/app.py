@@ -1,22 +1,21 @@
 """The Ray Serve deployment: how many replicas, with what resources, routed how.
 
 `build_application(spec, scale)` is what `specdec serve --ray` runs; `build(args)` is the same for a
-Serve config file (`serve deploy`/`serve run`), whose `args: {flags: "..."}` are `specdec serve`
-flags, parsed by the same parser. The application has two deployments: the replicas (its HTTP
-ingress) and the metrics hub they push to (metrics.py), bound into the replicas' arguments.
+Serve config file (`serve deploy`/`serve run`), whose `args` hold the configuration's sections as
+a TOML file does (specdec/config.py). The replicas receive the configuration itself (ReplicaSpec).
+The application has two deployments: the replicas (its HTTP ingress) and the metrics hub they push
+to (metrics.py), bound into the replicas' arguments.
 """
 from __future__ import annotations
 
-import shlex
-from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from specdec.deploy.metrics import MetricsHub
-from specdec.deploy.prefix import DEFAULT_PREFIX_CHARS, validate_prefix_chars
-from specdec.deploy.replica import ReplicaSpec, SpecdecReplica
+from specdec.deploy.replica import ReplicaSpec, SpecdecReplica, replica_spec
+from specdec.deploy.scale import ScaleConfig  # where it lived: imported from here too
 from specdec.types import SpecdecError
 
 DEPLOYMENT_NAME = "specdec"
@@ -28,39 +27,6 @@ SHUTDOWN_MARGIN_SECONDS = 5.0
 KEY_IN_CONFIG = ("--api-key {where} would put the key in {what}: set SPECDEC_API_KEYS_FILE (a keys file on every "
                  "node), SPECDEC_API_KEYS or SPECDEC_API_KEY where each node's `ray start` runs, or pass "
                  "--api-keys-file PATH (the file at that path on every node).")
-
-
-@dataclass(frozen=True)
-class ScaleConfig:
-    replicas: int = 1  # fixed count; with autoscaling, the count to start with
-    threads_per_replica: int = 1  # the engine's CPU threads, and the CPUs Ray reserves for each replica
-    min_replicas: Optional[int] = None  # both set: autoscaling on ongoing requests per replica
-    max_replicas: Optional[int] = None
-    # Seconds the load must stay above (below) the target before Ray adds (removes) a replica;
-    # None: Ray's defaults (30 s up, 600 s down).
-    upscale_delay: Optional[float] = None
-    downscale_delay: Optional[float] = None
-    prefix_routing_chars: int = DEFAULT_PREFIX_CHARS  # route on the prompt's first N characters; 0: off
-
-    @property
-    def autoscaling(self) -> bool:
-        return self.min_replicas is not None
-
-    def validate(self) -> None:
-        if self.replicas < 1 or self.threads_per_replica < 1:
-            raise SpecdecError("--replicas and --threads-per-replica must be >= 1.")
-        if (self.min_replicas is None) != (self.max_replicas is None):
-            raise SpecdecError("autoscaling needs both --min-replicas and --max-replicas.")
-        if self.autoscaling and not (0 <= self.min_replicas <= self.max_replicas and self.max_replicas >= 1):
-            raise SpecdecError("autoscaling needs 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1.")
-        for flag, delay in (("--upscale-delay", self.upscale_delay), ("--downscale-delay", self.downscale_delay)):
-            if delay is not None and not self.autoscaling:
-                raise SpecdecError(f"{flag} is an autoscaling setting: add --min-replicas and --max-replicas.")
-            if delay is not None and delay < 0:
-                raise SpecdecError(f"{flag} must be >= 0.")
-        problem = validate_prefix_chars(self.prefix_routing_chars)
-        if problem:
-            raise SpecdecError(problem)
 
 
 def deployment_options(spec: ReplicaSpec, scale: ScaleConfig) -> dict:
@@ -116,21 +82,27 @@ def build_application(spec: ReplicaSpec, scale: ScaleConfig, autoscaling: Option
     return serve.deployment(SpecdecReplica, **options).bind(spec, hub)
 
 
-def build(args: dict):
-    """Application builder for a Serve config file:
+def build(args: dict[str, Any]):
+    """Application builder for a Serve config file. `args` holds the configuration's sections, as
+    a TOML file (`specdec serve --config`) does, and/or `config`: such a file's path on the node
+    that builds the application; SPECDEC_<SECTION>_<FIELD> variables there override both:
 
         applications:
           - name: specdec
             route_prefix: /
             import_path: specdec.deploy.app:build
-            args: {flags: "--replicas 2 --threads-per-replica 1 --parallel 4"}
+            args:
+              slots: 4
+              scale: {replicas: 2, threads_per_replica: 1}
     """
-    from specdec.deploy.cli import replica_spec, scale_config
-    from specdec.server.cli import parse_serve_flags
+    from specdec.config import load_config
 
-    flags = args.get("flags", "")
-    parsed = parse_serve_flags(shlex.split(flags) if isinstance(flags, str) else [str(f) for f in flags])
-    if parsed.api_key:
+    if "flags" in args:
+        raise SpecdecError("a Serve config's args are the configuration's sections now (slots, models, engine, "
+                           "policy, server, scale; docs/scale-out.md), not `flags`.")
+    if {"api_key", "api_keys"} & set(args.get("server") or {}):
         raise SpecdecError(KEY_IN_CONFIG.format(where="in a Serve config", what="the config, which Ray stores and "
                                                 "shows (`serve config`, the dashboard)"))
-    return build_application(replica_spec(parsed), scale_config(parsed))
+    sections = {name: value for name, value in args.items() if name != "config"}
+    config = load_config(file=args.get("config"), mapping=sections, keys=True, ray=True)
+    return build_application(replica_spec(config), config.scale)

@@ -6,16 +6,16 @@ stays in the foreground; SIGTERM or Ctrl-C stops the deployment (each replica dr
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
 import threading
-from pathlib import Path
 
-from specdec.deploy.app import KEY_IN_CONFIG, ScaleConfig, build_application
+from specdec.config import SpecdecConfig
+from specdec.deploy.app import KEY_IN_CONFIG, build_application
 from specdec.deploy.proxy import CALLBACK, CALLBACK_ENV, proxy_environment
-from specdec.deploy.replica import DEFAULT_ENGINE_FACTORY, ReplicaSpec, without_keys
+from specdec.deploy.replica import ReplicaSpec, replica_spec
+from specdec.deploy.scale import ScaleConfig
 from specdec.server.tenants import API_KEY_ENV, API_KEYS_FILE_ENV
 from specdec.types import SpecdecError
 
@@ -23,90 +23,70 @@ logger = logging.getLogger("specdec.deploy")
 APP_NAME = "specdec"
 
 
-def scale_config(args: argparse.Namespace) -> ScaleConfig:
-    scale = ScaleConfig(args.replicas, args.threads_per_replica, args.min_replicas, args.max_replicas,
-                        args.upscale_delay, args.downscale_delay, args.prefix_routing_chars)
-    scale.validate()
-    return scale
-
-
-def replica_spec(args: argparse.Namespace) -> ReplicaSpec:
-    from specdec.models.registry import TARGET, default_path
-    from specdec.runtime import model_config
-    from specdec.server.cli import build_config
-
-    if args.threads is not None and args.threads != args.threads_per_replica:
-        raise SpecdecError("with --ray, a replica's threads are --threads-per-replica; drop --threads.")
-    default_name = Path(args.model).stem if args.model else default_path(TARGET).stem
-    args.threads = args.threads_per_replica  # each replica's engine uses the CPUs Ray reserved for it
-    spec = ReplicaSpec(model_config(args), build_config(args, default_name), args.parallel,
-                       args.engine_factory or DEFAULT_ENGINE_FACTORY)
-    return without_keys(spec, args.api_keys_file or os.environ.get(API_KEYS_FILE_ENV))
-
-
-def local_ray_environment(args: argparse.Namespace, spec: ReplicaSpec) -> dict[str, str]:
+def local_ray_environment(config: SpecdecConfig, spec: ReplicaSpec) -> dict[str, str]:
     """What the Ray processes started here must find in their environment: the proxy's middleware
     and body limits, and the keys the proxies and replicas check (never in the deployment's
     arguments, which Ray stores)."""
     environment = {CALLBACK_ENV: os.environ.get(CALLBACK_ENV, CALLBACK), **proxy_environment(spec.server)}
-    if args.api_key:
-        environment[API_KEY_ENV] = args.api_key
+    if config.server.api_key:
+        environment[API_KEY_ENV] = config.server.api_key
     if spec.api_keys_file:
         environment[API_KEYS_FILE_ENV] = spec.api_keys_file
     return environment
 
 
-def connect(args: argparse.Namespace, spec: ReplicaSpec) -> None:
+def connect(config: SpecdecConfig, spec: ReplicaSpec) -> None:
     """Ray: a local instance started here, or the cluster at --address."""
     import ray
 
-    if args.address is None:
-        os.environ.update(local_ray_environment(args, spec))  # inherited by the Ray processes started here
+    if config.scale.address is None:
+        os.environ.update(local_ray_environment(config, spec))  # inherited by the Ray processes started here
         # "local": never the cluster that RAY_ADDRESS or this machine's last `ray start` names, which
         # ray.init() would otherwise join (and whose Serve this command would shut down at the end).
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
     else:
-        ray.init(address=args.address, log_to_driver=False)
+        ray.init(address=config.scale.address, log_to_driver=False)
 
 
-def deploy(args: argparse.Namespace, spec: ReplicaSpec, scale: ScaleConfig) -> None:
-    """The HTTP proxy on --host/--port and the deployment, running."""
+def deploy(host: str, port: int, spec: ReplicaSpec, scale: ScaleConfig) -> None:
+    """The HTTP proxy on host:port and the deployment, running."""
     from ray import serve
     from ray.serve.context import _get_global_client
 
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(http_options={"host": host, "port": port})
     # On a cluster whose Serve is already running, Ray keeps that proxy's address and ignores ours.
     proxy = _get_global_client().http_config
-    if (proxy.host, proxy.port) != (args.host, args.port):
+    if (proxy.host, proxy.port) != (host, port):
         raise SpecdecError(f"Ray Serve already runs on this cluster with its HTTP proxy on {proxy.host}:{proxy.port}: "
                            f"pass --host {proxy.host} --port {proxy.port}, or stop it first (`serve shutdown`).")
     serve.run(build_application(spec, scale), name=APP_NAME, route_prefix="/")
-    logger.info("serving %r on http://%s:%d through Ray Serve (%s)", spec.server.served_model_name, args.host,
-                args.port, f"{scale.min_replicas}..{scale.max_replicas} replicas" if scale.autoscaling
+    logger.info("serving %r on http://%s:%d through Ray Serve (%s)", spec.server.served_model_name, host, port,
+                f"{scale.min_replicas}..{scale.max_replicas} replicas" if scale.autoscaling
                 else f"{scale.replicas} replicas")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(config: SpecdecConfig, key_on_command_line: bool = False) -> int:
     import ray
     from ray import serve
 
-    if args.address is not None and args.api_key:
+    scale = config.scale
+    if scale.address is not None and key_on_command_line:
         raise SpecdecError(KEY_IN_CONFIG.format(where="with --address", what="the deployment's arguments, which "
                                                 "Ray stores on the cluster"))
-    spec, scale = replica_spec(args), scale_config(args)  # bad flags fail before Ray starts
+    spec = replica_spec(config)  # bad settings fail before Ray starts
     stop = threading.Event()
     try:
-        connect(args, spec)
+        connect(config, spec)
         # After ray.init, which installs its own SIGTERM handler (it aborts the process, exit
         # -6); before the deployment, so that a signal during its start-up still stops cleanly.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        deploy(args, spec, scale)
+        deploy(config.server.host, config.server.port, spec, scale)
         stop.wait()
-        logger.info("stopping: each replica drains for up to %gs", args.drain_grace)
+        logger.info("stopping: each replica drains for up to %gs", config.server.drain_grace)
         serve.delete(APP_NAME)  # replicas drain (the app's lifespan) before they stop
     finally:
-        if args.address is None:
+        if scale.address is None:
             serve.shutdown()
         ray.shutdown()
     return 0

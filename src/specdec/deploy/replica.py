@@ -1,4 +1,4 @@
-"""One Ray Serve replica: an engine built from the same model configuration as `specdec serve`,
+"""One Ray Serve replica: an engine built from the same configuration as `specdec serve`,
 served by the same FastAPI app (`create_app`). The app's lifespan calibrates `auto` at start and
 drains at stop, as under uvicorn; Ray Serve runs it when the replica starts and when it is
 stopped (after Serve itself has stopped routing to it and waited for its requests). Its /metrics
@@ -18,6 +18,7 @@ import ray
 from ray import serve
 
 from specdec.backends.registry import ModelConfig
+from specdec.config import SpecdecConfig
 from specdec.deploy.metrics import HubLink
 from specdec.engine.engine import Engine
 from specdec.server.app import create_app
@@ -32,32 +33,53 @@ DEFAULT_ENGINE_FACTORY = "specdec.runtime:load_engine"
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """What every replica builds; pickled once by Ray and sent to each. Never an API key: Ray keeps
-    the spec (its controller's checkpoint) and the keys reach each replica through its node's
-    environment or a keys file (`keys_on_this_node`)."""
+    """What every replica builds: the configuration, pickled once by Ray and sent to each. Never
+    an API key: Ray keeps the spec (its controller's checkpoint) and the keys reach each replica
+    through its node's environment or a keys file (`keys_on_this_node`)."""
 
-    models: ModelConfig
-    server: ServerConfig  # without its keys
-    slots: int  # sequences each replica generates at once (`--parallel`)
-    # "module:function", called as function(models, n_slots=slots) -> Engine. Tests name a fake.
-    engine_factory: str = DEFAULT_ENGINE_FACTORY
-    api_keys_file: Optional[str] = None  # an absolute path, read on each replica's node
+    config: SpecdecConfig  # its server without keys, its keys file's path absolute
     # The tenants the deployment was started with keys of, sorted: a replica whose node has keys of
     # others, or none, refuses to start rather than serve under them (names only, never keys; more
     # keys of the same tenants, a rotation, are fine).
     key_tenants: tuple[str, ...] = ()
+
+    @property
+    def models(self) -> ModelConfig:
+        return self.config.models
+
+    @property
+    def server(self) -> ServerConfig:
+        return self.config.server
+
+    @property
+    def slots(self) -> int:
+        return self.config.slots  # sequences each replica generates at once
+
+    @property
+    def engine_factory(self) -> str:
+        """"module:function", called as function(models, n_slots=slots, engine=engine) -> Engine."""
+        return self.config.scale.engine_factory or DEFAULT_ENGINE_FACTORY
+
+    @property
+    def api_keys_file(self) -> Optional[str]:
+        return self.config.server.api_keys_file  # read on each replica's node
 
 
 def key_tenants(api_key: Optional[str], api_keys: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
     return tuple(sorted({tenant for _, tenant in api_keys} | ({DEFAULT_TENANT} if api_key else set())))
 
 
-def without_keys(spec: ReplicaSpec, api_keys_file: Optional[str]) -> ReplicaSpec:
-    """`spec` with its server's keys taken out, and what a replica needs to find them again."""
-    server = spec.server
-    return replace(spec, server=replace(server, api_key=None, api_keys=()),
-                   api_keys_file=str(Path(api_keys_file).resolve()) if api_keys_file else None,
-                   key_tenants=key_tenants(server.api_key, server.api_keys))
+def replica_spec(config: SpecdecConfig) -> ReplicaSpec:
+    """What the replicas of `config`'s deployment build: each engine on the threads Ray reserves
+    for it, the server's keys taken out (with what a replica needs to find them again)."""
+    models, scale, server = config.models, config.scale, config.server
+    if models.threads is not None and models.threads != scale.threads_per_replica:
+        raise SpecdecError("with --ray, a replica's threads are --threads-per-replica; drop --threads.")
+    api_keys_file = server.api_keys_file or os.environ.get(API_KEYS_FILE_ENV)
+    stored = replace(server, api_key=None, api_keys=(),
+                     api_keys_file=str(Path(api_keys_file).resolve()) if api_keys_file else None)
+    return ReplicaSpec(replace(config, models=replace(models, threads=scale.threads_per_replica), server=stored),
+                       key_tenants(server.api_key, server.api_keys))
 
 
 def keys_on_this_node(spec: ReplicaSpec, environ: Optional[Mapping[str, str]] = None) -> ServerConfig:
@@ -130,7 +152,8 @@ class SpecdecReplica:
         server = keys_on_this_node(spec)  # before the models load: a node without the keys fails at once
         if spec.engine_factory == DEFAULT_ENGINE_FACTORY:
             pull_default_models(spec.models)
-        self.engine: Engine = import_callable(spec.engine_factory)(spec.models, n_slots=spec.slots)
+        self.engine: Engine = import_callable(spec.engine_factory)(spec.models, n_slots=spec.slots,
+                                                                  engine=spec.config.engine)
         replica = serve.get_replica_context().replica_id.unique_id
         self.hub_link = HubLink(metrics_hub, replica)
         # Not `self.app`: Ray's ASGI wrapper, which this class becomes, has a read-only `app`.

@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from specdec.backends.base import Backend, check_draft_compatible
-from specdec.drafters.auto import AutoDrafter
+from specdec.drafters.auto import AutoDrafter, PolicyConfig
 from specdec.drafters.base import Drafter, NoDrafter
 from specdec.drafters.history import CrossRequestCache
 from specdec.drafters.model import ModelDrafter
@@ -96,6 +96,7 @@ class EngineConfig:
     ngram_min: int = 1
     prefix_cache: bool = True  # reuse the cached KV of a prompt prefix seen by the previous request
     cross_request_ngrams: bool = True  # draft from text generated earlier for the same tenant
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # what `auto` tunes its choices with
 
 
 @dataclass
@@ -170,7 +171,8 @@ class Engine:
         calibration of the same setup (it keeps updating online either way)."""
         self.cost_model = cost
         for each in self.slots:
-            each.drafters["auto"] = AutoDrafter(cost, each.drafters.get("draft"), clock=self.clock)
+            each.drafters["auto"] = AutoDrafter(cost, each.drafters.get("draft"), clock=self.clock,
+                                                 config=self.config.policy)
         return cost
 
     # -- prompts -----------------------------------------------------------------------------

@@ -1,16 +1,20 @@
-"""The server's settings, frozen; the CLI fills them from flags."""
+"""The server's settings, frozen; the configuration loader (specdec/config.py) fills them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from specdec.types import SpecConfig
+from specdec.types import SpecConfig, SpecdecError
 
 MIB = 1 << 20
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
+    host: str = "127.0.0.1"  # the address to listen on (a Ray deployment's HTTP proxy's)
+    port: int = 8000
+    log_level: str = "info"
     served_model_name: str = "specdec"
     spec: SpecConfig = field(default_factory=SpecConfig)  # what `speculative_decoding: true` / `auto` mean
     # Keys (never in a repr, so never in a log line): with any, every route but /health needs
@@ -18,6 +22,7 @@ class ServerConfig:
     # (key, tenant) pairs (server/tenants.py reads them from a keys file or the environment).
     api_key: Optional[str] = field(default=None, repr=False)
     api_keys: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    api_keys_file: Optional[str] = None  # where `api_keys` were read (a path, no secret); else $SPECDEC_API_KEYS_FILE
     # Without keys every client is anonymous: False gives each request no cross-request history
     # (nobody drafts from another's text); True lets all anonymous requests share one.
     shared_history: bool = False
@@ -48,3 +53,22 @@ class ServerConfig:
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open (uvicorn's default)
     limit_concurrency: Optional[int] = 1024  # connections (and requests) at once; beyond that uvicorn answers 503
     max_header_bytes: int = 16 * 1024  # request line and headers still arriving (h11's bound; past it: 400)
+
+    def validate(self) -> None:
+        for flag, value, low in (("--max-queue", self.max_queue, 0), ("--max-tokens", self.max_tokens, 1),
+                                 ("--max-body-bytes", self.max_body_bytes, 1),
+                                 ("--max-prompt-bytes", 1 if self.max_prompt_bytes is None else self.max_prompt_bytes, 1),
+                                 ("--limit-concurrency", self.limit_concurrency or 0, 0),
+                                 ("--max-header-bytes", self.max_header_bytes, 1024), ("--port", self.port, 0),
+                                 ("server.retry_after", self.retry_after, 0), ("server.prefill_chunk", self.prefill_chunk, 1)):
+            if value < low:
+                raise SpecdecError(f"{flag} must be >= {low}.")
+        for flag, value in (("--request-timeout", self.request_timeout), ("--stall-timeout", self.stall_timeout),
+                            ("--drain-grace", self.drain_grace), ("--body-timeout", self.body_timeout),
+                            ("--header-timeout", self.header_timeout), ("--keep-alive-timeout", self.keep_alive_timeout),
+                            ("--write-timeout", self.write_timeout), ("--sse-keepalive", self.sse_keepalive)):
+            if value <= 0:
+                raise SpecdecError(f"{flag} must be > 0.")
+        if self.log_level not in LOG_LEVELS:
+            raise SpecdecError(f"--log-level must be one of {', '.join(LOG_LEVELS)}.")
+        self.spec.validate()

@@ -89,7 +89,7 @@ def upgraded_engine(engine: Engine, library: Path) -> Engine:
     models = engine.model_config
     if models.backend_by_rule:
         models = models.with_backend(replace(models.backend, repacked=True))
-    new = load_engine(models, n_slots=len(engine.slots))
+    new = load_engine(models, n_slots=len(engine.slots), engine=engine.config)
     try:
         cost = new.calibrate()
     except BaseException:
