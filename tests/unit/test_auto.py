@@ -142,9 +142,9 @@ def test_the_engine_core_tells_each_stream_how_many_share_its_forward():
     seen = []
 
     class Recording(AutoDrafter):
-        def share_round(self, streams):
+        def share_round(self, streams, tokens_left=None):
             seen.append(streams)
-            super().share_round(streams)
+            super().share_round(streams, tokens_left)
 
     engine = Engine(FakeBackend(seed=3), n_slots=3)
     for slot in engine.slots:
@@ -422,6 +422,37 @@ def test_a_backlog_left_by_rounds_without_the_draft_is_an_investment_but_a_round
         drafter = drafter_with(cost, ngram_rate=0.0, draft_rate=draft_rate, model=model)
         proposal = drafter.propose(context, 1, GREEDY, None)
         assert (proposal.source == "draft") is expect_draft, (lag, draft_rate)
+
+
+def test_a_backlog_is_spread_over_no_more_rounds_than_tokens_are_left():
+    """The backlog of 5 above, acceptance 0.9: spread over 32 rounds it is drafted; with 2 tokens
+    left it is charged 14 + 16 / 2 ms (1.9 / 92 ms: 20.7 tok/s, plain 20.4 with the margin) and
+    still drafted; with 1 left, in full (1.9 / 100 ms): not."""
+    context = list(range(1000))
+    cost = CostModel({n: 0.050 * (1 + 0.4 * (n - 1)) for n in range(1, 9)}, 0.010, 0.010)
+    for tokens_left, expect_draft in ((None, True), (2, True), (1, False)):
+        drafter = drafter_with(cost, ngram_rate=0.0, draft_rate=0.9, model=LaggingModelDrafter(len(context) - 6))
+        drafter.share_round(1, tokens_left=tokens_left)
+        proposal = drafter.propose(context, 1, GREEDY, None)
+        assert (proposal.source == "draft") is expect_draft, tokens_left
+
+
+def test_each_round_tells_the_drafter_how_many_tokens_are_left():
+    seen = []
+
+    class Recording(AutoDrafter):
+        def share_round(self, streams, tokens_left=None):
+            seen.append(tokens_left)
+            super().share_round(streams, tokens_left)
+
+    engine = Engine(FakeBackend(seed=3))
+    engine.slots[0].drafters["auto"] = Recording(linear_costs())
+    engine.cost_model = linear_costs()
+    request = GenerationRequest(tuple(engine.encode_prompt([{"role": "user", "content": "a b c"}], chat=True)),
+                                5, SamplingParams(), SpecConfig("auto", 3), ignore_eos=True)
+    engine.core.generate(request)
+    rounds = [left for left in seen if left is not None]
+    assert rounds[0] == 5 and rounds == sorted(rounds, reverse=True) and rounds[-1] >= 1
 
 
 def test_a_draft_forward_costs_its_step_on_the_targets_curve():

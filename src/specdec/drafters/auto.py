@@ -76,6 +76,7 @@ class AutoDrafter(Drafter):
                                          self.config.draft_scale_range)  # kept across requests: the machine's
         self.context_index = SuffixIndex(self.config.max_match)
         self.streams = 1  # streams sharing the coming verification forward (share_round)
+        self.tokens_left: Optional[int] = None  # at most this many more tokens (share_round)
         self.begin(())
 
     @property
@@ -102,14 +103,18 @@ class AutoDrafter(Drafter):
         if prompt and self._draft_prompt_is_cheap(prompt):
             self.model_drafter.begin(prompt)
 
-    def share_round(self, streams: int) -> None:
+    def share_round(self, streams: int, tokens_left: Optional[int] = None) -> None:
         self.streams = max(1, streams)
+        self.tokens_left = tokens_left
 
     # -- pricing and planning (drafters/policy/) -------------------------------------------------
     def round_costs(self, lag: int = 0) -> RoundCosts:
         """This round's prices; `lag`: committed tokens the draft model's cache lacks."""
-        return RoundCosts(self.cost, self.streams, self.model_drafter is not None, self.draft_time.value, lag,
-                          self.config.catch_up_horizon)
+        # A backlog is spread over the rounds still to come, and a round yields a token at least.
+        horizon = self.config.catch_up_horizon
+        if self.tokens_left is not None:
+            horizon = max(1, min(horizon, self.tokens_left))
+        return RoundCosts(self.cost, self.streams, self.model_drafter is not None, self.draft_time.value, lag, horizon)
 
     def target_seconds(self, rows: int) -> float:
         """What a round of `rows` rows costs this stream (RoundCosts.target)."""

@@ -28,9 +28,10 @@ class Drafter(ABC):
         """The target has processed this much of the prompt (a chunk at a time, before `begin`): a
         drafter with a cache of its own may process it alongside."""
 
-    def share_round(self, streams: int) -> None:
+    def share_round(self, streams: int, tokens_left: Optional[int] = None) -> None:
         """The coming verification forward holds this many streams' rows (1: this one alone); a
-        drafter that prices its proposals prices them at what they add to that forward."""
+        drafter that prices its proposals prices them at what they add to that forward.
+        `tokens_left`: at most this many more tokens follow (the request's limit), None: unknown."""
 
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams, rng: np.random.Generator,

@@ -94,10 +94,10 @@ class Generation:
     def plan(self, streams: int = 1) -> list[int]:
         """Ask the drafter for a proposal; returns the tokens the target must evaluate.
         `streams`: how many generations' rows the verification forward holds, this one's included."""
-        self.drafter.share_round(streams)
         room = self.target.backend.n_ctx - len(self.context)
         if self.request.max_tokens is not None:
             room = min(room, self.request.max_tokens - len(self.token_ids) - 1)
+        self.drafter.share_round(streams, tokens_left=room + 1)  # the round's own token included
         k = min(self._k, room)
         t0 = self.clock()
         if k > 0:
