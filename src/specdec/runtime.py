@@ -11,6 +11,7 @@ from specdec.engine.engine import Engine, EngineConfig
 from specdec.models.registry import DRAFT, TARGET, ModelSpec, default_path
 from specdec.types import SpecdecError
 
+
 def backend_config(backend: Optional[str] = None, dtype: Optional[str] = None, exact: bool = True,
                    repacked: bool = False) -> BackendConfig:
     """The named backend (with `dtype`, the first of its own by default), or else the saved

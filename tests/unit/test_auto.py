@@ -138,25 +138,32 @@ def test_a_draft_models_serial_steps_are_charged_to_the_whole_shared_forward():
     assert drafter.plan({}, k=4).source == "off"
 
 
-def test_the_engine_core_tells_each_stream_how_many_share_its_forward():
+def share_rounds(n_requests, max_tokens, **request_options):
+    """(streams, tokens_left) of every share_round call while the engine core runs `n_requests`
+    requests at once on the fake backend, each slot's `auto` recording them."""
     seen = []
 
     class Recording(AutoDrafter):
         def share_round(self, streams, tokens_left=None):
-            seen.append(streams)
+            seen.append((streams, tokens_left))
             super().share_round(streams, tokens_left)
 
-    engine = Engine(FakeBackend(seed=3), n_slots=3)
+    engine = Engine(FakeBackend(seed=3), n_slots=n_requests)
     for slot in engine.slots:
         slot.drafters["auto"] = Recording(linear_costs())
     engine.cost_model = linear_costs()
     core = engine.core
     request = GenerationRequest(tuple(engine.encode_prompt([{"role": "user", "content": "a b c"}], chat=True)),
-                                6, SamplingParams(), SpecConfig("auto", 3))
-    for _ in range(3):
+                                max_tokens, SamplingParams(), SpecConfig("auto", 3), **request_options)
+    for _ in range(n_requests):
         core.add(request)
     while core.busy:
         core.step()
+    return seen
+
+
+def test_the_engine_core_tells_each_stream_how_many_share_its_forward():
+    seen = [streams for streams, _ in share_rounds(3, 6)]
     assert 3 in seen and set(seen) <= {1, 2, 3}
 
 
@@ -438,20 +445,7 @@ def test_a_backlog_is_spread_over_no_more_rounds_than_tokens_are_left():
 
 
 def test_each_round_tells_the_drafter_how_many_tokens_are_left():
-    seen = []
-
-    class Recording(AutoDrafter):
-        def share_round(self, streams, tokens_left=None):
-            seen.append(tokens_left)
-            super().share_round(streams, tokens_left)
-
-    engine = Engine(FakeBackend(seed=3))
-    engine.slots[0].drafters["auto"] = Recording(linear_costs())
-    engine.cost_model = linear_costs()
-    request = GenerationRequest(tuple(engine.encode_prompt([{"role": "user", "content": "a b c"}], chat=True)),
-                                5, SamplingParams(), SpecConfig("auto", 3), ignore_eos=True)
-    engine.core.generate(request)
-    rounds = [left for left in seen if left is not None]
+    rounds = [left for _, left in share_rounds(1, 5, ignore_eos=True) if left is not None]
     assert rounds[0] == 5 and rounds == sorted(rounds, reverse=True) and rounds[-1] >= 1
 
 

@@ -268,7 +268,9 @@ def test_engine_and_policy_settings_reach_the_engine_and_auto(monkeypatch):
     assert runtime.load_engine(config.models).config == EngineConfig()  # no engine settings: the defaults
 
 
-def test_specdec_generate_builds_its_engine_with_them(monkeypatch, capsys):
+@pytest.fixture
+def engines_built(monkeypatch):
+    """The engine settings each engine a command loads is given (on the fake backend)."""
     seen = []
 
     def load_engine(models, n_slots=1, engine=None):
@@ -276,19 +278,18 @@ def test_specdec_generate_builds_its_engine_with_them(monkeypatch, capsys):
         return Engine(FakeBackend(seed=7), config=engine)
 
     monkeypatch.setattr(runtime, "load_engine", load_engine)
+    return seen
+
+
+def test_specdec_generate_builds_its_engine_with_them(engines_built, capsys):
+    seen = engines_built
     assert main(["generate", "hello", *BASE, "--method", "ngram", "--max-tokens", "4", "--json", *TUNED]) == 0
     assert seen[0].ngram_max == 5 and seen[0].policy.margin == 0.3
     assert json.loads(capsys.readouterr().out)["stats"]["method"] == "ngram"
 
 
-def test_specdec_bench_builds_its_engine_with_them(monkeypatch, tmp_path):
-    seen = []
-
-    def load_engine(models, n_slots=1, engine=None):
-        seen.append(engine)
-        return Engine(FakeBackend(seed=7), config=engine)
-
-    monkeypatch.setattr(runtime, "load_engine", load_engine)
+def test_specdec_bench_builds_its_engine_with_them(engines_built, tmp_path):
+    seen = engines_built
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"id": "p1", "prompt": "hello hello hello"}) + "\n")
     assert main(["bench", *BASE, "--dataset", str(data), "--methods", "off,ngram", "--max-tokens", "4",

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from specdec.backends.base import Backend, check_draft_compatible
-from specdec.drafters.auto import AutoDrafter, PolicyConfig
+from specdec.drafters.auto import AutoDrafter
 from specdec.drafters.base import Drafter, NoDrafter
 from specdec.drafters.history import CrossRequestCache
 from specdec.drafters.model import ModelDrafter
+from specdec.drafters.policy.config import PolicyConfig
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine.cost_model import CostModel, calibrate
 from specdec.engine.core import EngineCore
