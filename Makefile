@@ -28,4 +28,5 @@ demo: models
 # Both tiers in one run: hermetic unit tests (fake backend) and the real pair (loaded once per backend).
 test: install-test models
 	.venv/bin/ruff check src tests scripts
+	.venv/bin/mypy
 	.venv/bin/python -m pytest -q tests

@@ -30,7 +30,7 @@ class StubModelDrafter:
     def lag(self, context):
         return 0  # its cache always in step
 
-    def propose(self, context, k, sampling, rng, prefix=(), keep_drafting=None, guide=None):
+    def propose(self, context, k, sampling, rng, guide=None, *, prefix=(), keep_drafting=None):
         self.calls.append((k, tuple(prefix)))
         return Proposal(tuple(prefix) + (self.token,) * (k - len(prefix)), None, "hybrid" if prefix else "draft")
 
@@ -365,7 +365,7 @@ def test_hybrid_proposals_keep_the_target_distribution_when_sampling():
     rng = np.random.default_rng(0)
     trials = 3000
     for _ in range(trials):
-        proposal = drafter.propose(context, 3, sampling, rng, prefix)
+        proposal = drafter.propose(context, 3, sampling, rng, prefix=prefix)
         assert proposal.source == "hybrid" and proposal.draft_probs.shape[0] == 3
         target_seq.truncate(len(context))
         rows = target_seq.extend(list(proposal.draft_tokens))
@@ -500,9 +500,9 @@ class SlowModelDrafter(StubModelDrafter):
         super().__init__()
         self.clock, self.seconds = clock, seconds
 
-    def propose(self, context, k, sampling, rng, prefix=(), keep_drafting=None, guide=None):
+    def propose(self, context, k, sampling, rng, guide=None, *, prefix=(), keep_drafting=None):
         self.clock.advance(self.seconds)
-        return super().propose(context, k, sampling, rng, prefix, keep_drafting)
+        return super().propose(context, k, sampling, rng, guide, prefix=prefix, keep_drafting=keep_drafting)
 
 
 def test_a_draft_model_slower_than_its_calibrated_step_is_priced_at_what_it_really_takes():

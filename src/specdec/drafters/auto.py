@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -67,7 +67,7 @@ class AutoDrafter(Drafter):
     ):
         """`max_ngram`, `margin` and `draft_prior`, where given, override `config`'s."""
         config = config or PolicyConfig()
-        overrides = {"max_match": max_ngram, "margin": margin, "draft_prior": draft_prior}
+        overrides: dict[str, Any] = {"max_match": max_ngram, "margin": margin, "draft_prior": draft_prior}
         self.config = replace(config, **{name: value for name, value in overrides.items() if value is not None})
         self.cost = cost_model
         self.model_drafter = model_drafter
@@ -100,7 +100,7 @@ class AutoDrafter(Drafter):
         self._round: Optional[_Round] = None
         self._context: Sequence[int] = ()
         # A longer prompt waits for the draft's first proposal: a request that never drafts never pays for it.
-        if prompt and self._draft_prompt_is_cheap(prompt):
+        if prompt and self.model_drafter is not None and self._draft_prompt_is_cheap(prompt):
             self.model_drafter.begin(prompt)
 
     def share_round(self, streams: int, tokens_left: Optional[int] = None) -> None:
@@ -165,15 +165,15 @@ class AutoDrafter(Drafter):
                 self.shadows.append(Shadow(source, len(context), offer))
         if option.source in DRAFT_FREE:
             return Proposal(offers[option.source].tokens[:option.length], None, option.source)
-        if option.source in MODEL_SOURCES:
+        if option.source in MODEL_SOURCES and self.model_drafter is not None:  # priced only with one
             # The plan says the draft pays; how far it goes, up to k, is decided token by token.
             option = replace(option, length=k)
             keep_drafting = self.draft_length(option, offers, costs)
             self._round = _Round(option, offers, keep_drafting.confidences)
             prefix = offers[option.prefix_source].tokens[:option.prefix_length] if option.prefix_length else ()
             started = self.clock()
-            proposal = self.model_drafter.propose(context, option.length, sampling, rng, prefix, keep_drafting,
-                                                  guide=guide)
+            proposal = self.model_drafter.propose(context, option.length, sampling, rng, guide,
+                                                  prefix=prefix, keep_drafting=keep_drafting)
             self.draft_time.observe(self.clock() - started, costs.draft_seconds(len(prefix), keep_drafting.forwards))
             return Proposal(proposal.draft_tokens, proposal.draft_probs, option.source)
         return Proposal((), None, "off")

@@ -66,8 +66,8 @@ class ModelDrafter(Drafter):
         return len(context) - 1 - self.sequence.reusable_prefix(context[:-1])
 
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator,
-                prefix: Sequence[int] = (), keep_drafting: Optional[KeepDrafting] = None,
-                guide: Optional["Constraint"] = None) -> Proposal:
+                guide: Optional["Constraint"] = None, *, prefix: Sequence[int] = (),
+                keep_drafting: Optional[KeepDrafting] = None) -> Proposal:
         source = "hybrid" if prefix else "draft"
         prefix = tuple(int(t) for t in prefix[:k])
         if guide is not None:

@@ -103,7 +103,8 @@ class SuffixIndex:
         if k <= 0:
             return Continuation()
         occurrences, match_length = self._longest_match(context)
-        path, evidence = [], []
+        path: list[int] = []
+        evidence: list[Evidence] = []
         while occurrences and len(path) < k:
             ends = self._sequence_end_after
             nexts = [self._tokens[p] for p in occurrences if p < ends(p)]

@@ -80,6 +80,13 @@ class _Active:
     prompt_logprobs: Optional[list[TokenLogprob]] = None  # scored so far; None: not asked for
     scoring: bool = False  # the prompt's scoring pass is under way (see _score_chunk)
 
+    @property
+    def admitted(self) -> Generation:
+        """The generation, for the stages that run only after admission (`_begin`) made it."""
+        if self.generation is None:
+            raise AssertionError("a request's stage ran before its admission")
+        return self.generation
+
 
 class EngineCore:
     def __init__(self, engine: "Engine", clock: Optional[Callable[[], float]] = None):
@@ -205,7 +212,7 @@ class EngineCore:
         active.generation = engine.new_generation(active.request, slot=active.slot)
         slot = engine.slots[active.slot]
         if engine.config.prefix_cache and self._may_reuse(active.slot, active.request):
-            active.generation.cached_prompt_tokens = slot.target.reuse_prefix(active.request.prompt_token_ids[:-1])
+            active.admitted.cached_prompt_tokens = slot.target.reuse_prefix(active.request.prompt_token_ids[:-1])
         else:  # another tenant's text, or a request that asked for none: nothing of it is reused
             slot.target.clear()
             if slot.draft is not None:
@@ -243,7 +250,7 @@ class EngineCore:
                 best, source = length, i
         if source is not None:
             own.adopt(self.engine.slots[source].target, best)
-            active.generation.cached_prompt_tokens = best
+            active.admitted.cached_prompt_tokens = best
         # Waiting pays when the earlier request will compute at least one more block we can take.
         unit = math.lcm(share, own.alignment)
         for other_handle, other in self._active.items():
@@ -261,13 +268,15 @@ class EngineCore:
         Once all are, the cache is emptied and the prompt processed as any other request's, so the
         text generated is what it would be without them (logits-returning forwards fill the cache
         with values of their own on an exact backend)."""
-        prompt = active.request.prompt_token_ids
+        prompt, scored, top = active.request.prompt_token_ids, active.prompt_logprobs, active.request.prompt_logprobs
+        if scored is None or top is None:
+            raise AssertionError("scoring a prompt whose log-probabilities were not asked for")
         target = self.engine.slots[active.slot].target
         done = len(target.tokens)
         end = min(len(prompt) - 1, done + min(budget, SCORING_BUDGET))
         if end > done:  # row j gives the distribution of prompt token j + 1
             rows = target.extend(prompt[done:end])
-            active.prompt_logprobs += token_logprobs(rows, prompt[done + 1:end + 1], active.request.prompt_logprobs)
+            scored += token_logprobs(rows, prompt[done + 1:end + 1], top)
         if end >= len(prompt) - 1:
             target.clear()
             active.scoring = False
@@ -288,7 +297,7 @@ class EngineCore:
             end = max(done, end // slot.target.alignment * slot.target.alignment)  # whole chunks (sequence.py)
         if end > done:
             slot.target.prefill(prefix[:end])
-        active.generation.drafter.prefill(prefix[:end])  # a draft model keeps its cache in step itself
+        active.admitted.drafter.prefill(prefix[:end])  # a draft model keeps its cache in step itself
         return end - done
 
     def _prompt_done(self, active: _Active) -> bool:
@@ -296,7 +305,7 @@ class EngineCore:
         return not active.scoring and done >= len(active.request.prompt_token_ids) - 1
 
     def _start(self, active: _Active) -> list[Item]:
-        generation = active.generation
+        generation = active.admitted
         # Whether a draft model may pay (and is worth its prompt now) depends on the company it will
         # have: every request holding a slot, started or still processing its prompt.
         generation.drafter.share_round(len(self._active))
@@ -311,16 +320,16 @@ class EngineCore:
     def _decode(self, items: list, batched: bool) -> None:
         running, plans = [], []
         ready = [(handle, active) for handle, active in self._active.items()
-                 if active.started and not active.generation.finished and not self._failed(items, handle)]
+                 if active.started and not active.admitted.finished and not self._failed(items, handle)]
         streams = len(ready) if batched else 1  # sequential forwards: each stream is priced alone
         for handle, active in ready:
-            tokens = self._guarded(items, handle, active.generation.plan, streams)  # drafting: per sequence
+            tokens = self._guarded(items, handle, active.admitted.plan, streams)  # drafting: per sequence
             if tokens is not None:
                 running.append(handle)
                 plans.append(tokens)
         if not running:
             return
-        generations = [self._active[handle].generation for handle in running]
+        generations = [self._active[handle].admitted for handle in running]
         try:
             for handle, event in zip(running, self._verify(generations, plans, batched)):
                 items.append((handle, event))

@@ -20,8 +20,8 @@ from specdec.engine.stopping import TextAssembler
 from specdec.grammar.constraint import Constraint
 from specdec.sampling.logprobs import token_logprobs
 from specdec.sampling.probs import one_hot, position_uniform, sample_with, token_distribution
-from specdec.sampling.verify import verify, verify_deterministic, verify_greedy
-from specdec.types import GenerationRequest, Proposal, RoundOutcome, SpecdecError, StreamEvent
+from specdec.sampling.verify import verify, verify_deterministic
+from specdec.types import GenerationRequest, Proposal, RoundOutcome, SpecdecError, StreamEvent, TokenLogprob
 
 
 TARGET_SOURCE = "target"  # a token the target chose itself (every round's last)
@@ -66,10 +66,10 @@ class Generation:
         k = request.spec.num_draft_tokens if request.spec.method != "off" else 0
         self.stats = GenerationStats(method=request.spec.method, num_draft_tokens=k)
         self._k = k
-        self._proposal: Optional[Proposal] = None
+        self._proposal = Proposal(())  # the round planned and not yet committed
         self._drafted = 0  # of the proposal's tokens, the drafter's (the rest were forced by the grammar)
         self._sources: list[str] = []  # of the tokens the next event carries
-        self._logprobs = None  # of the tokens the next event carries, when the request asked
+        self._logprobs: Optional[list[TokenLogprob]] = None  # of the tokens the next event carries, when asked
         self._started_at = 0.0
         self.cached_prompt_tokens = 0  # of the prompt, found in the slot's cache when it was admitted
 
@@ -120,7 +120,8 @@ class Generation:
         sampling = self.request.sampling
         row = self._target_row(target_logits, draft_tokens)
         if sampling.greedy:
-            verdict = verify_greedy(draft_tokens, _LazyArgmax(row))
+            # Each row's argmax is taken when verification reaches it (a masked row costs a copy).
+            verdict = verify_deterministic(draft_tokens, lambda i: int(np.argmax(row(i))))
         elif proposal.draft_probs is None:  # a deterministic proposal (or none): see sampling/verify.py
             first = len(self.context)  # the sequence position of target_logits[0]'s token
             verdict = verify_deterministic(draft_tokens, lambda i: sample_with(
@@ -166,6 +167,8 @@ class Generation:
         """The proposal cut at the first token the grammar forbids, then extended by the tokens it
         forces (not for `off`, plain decoding's baseline): their rows are verified like any draft's."""
         constraint = self.constraint
+        if constraint is None:
+            return proposal
         drafted = constraint.admissible(proposal.draft_tokens)
         tokens = proposal.draft_tokens[:drafted]
         probs = None if proposal.draft_probs is None else proposal.draft_probs[:drafted]
@@ -238,12 +241,3 @@ class Generation:
             return StreamEvent(delta, new_tokens, self.finish_reason, self.stats.as_dict(), sources, logprobs)
         return StreamEvent(delta, new_tokens, token_sources=sources, logprobs=logprobs)
 
-
-class _LazyArgmax:
-    """The argmax of row i, computed when verification reaches it (a masked row costs a copy)."""
-
-    def __init__(self, row: Callable[[int], np.ndarray]):
-        self._row = row
-
-    def __getitem__(self, i: int) -> int:
-        return int(np.argmax(self._row(i)))

@@ -172,8 +172,9 @@ class Engine:
         calibration of the same setup (it keeps updating online either way)."""
         self.cost_model = cost
         for each in self.slots:
-            each.drafters["auto"] = AutoDrafter(cost, each.drafters.get("draft"), clock=self.clock,
-                                                 config=self.config.policy)
+            model = each.drafters.get("draft")
+            each.drafters["auto"] = AutoDrafter(cost, model if isinstance(model, ModelDrafter) else None,
+                                                 clock=self.clock, config=self.config.policy)
         return cost
 
     # -- prompts -----------------------------------------------------------------------------
@@ -185,6 +186,8 @@ class Engine:
         if chat:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             return encode_chat(self.target, messages, tools)
+        if not isinstance(prompt, str):
+            raise SpecdecError("a completion prompt is text; messages need chat=True.")
         return self.target.tokenize(prompt, add_special=True)
 
     # -- generation --------------------------------------------------------------------------

@@ -20,7 +20,7 @@ def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     z = np.array(logits, dtype=np.float32)
     z -= z.max()  # before scaling: a tiny temperature then sends the others to -inf (the greedy
     with np.errstate(over="ignore"):  # limit), where scaling first gave inf - inf = NaN
-        z *= np.float32(min(1.0 / temperature, np.finfo(np.float32).max))
+        z *= np.float32(min(1.0 / temperature, float(np.finfo(np.float32).max)))
     np.exp(z, out=z)
     probs = z.astype(np.float64)
     probs /= probs.sum()

@@ -37,7 +37,7 @@ router = APIRouter()
 
 
 def _static(name: str) -> bytes:
-    return resources.files("specdec.server").joinpath("static", name).read_bytes()
+    return resources.files("specdec.server").joinpath("static").joinpath(name).read_bytes()
 
 
 def _file_route(path: str, name: str, media_type: str) -> None:

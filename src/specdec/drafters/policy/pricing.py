@@ -36,7 +36,7 @@ def best_uniform_proposal(acceptance: float, max_length: int, target_seconds: Ca
     `draft_step` a token (0 for a draft-free source)."""
     rates = {j: expected_tokens([acceptance] * j) / (target_seconds(1 + j) + j * draft_step)
              for j in range(1, max_length + 1)}
-    length = max(rates, key=rates.get)
+    length = max(rates, key=lambda j: rates[j])
     return length, rates[length]
 
 

@@ -71,7 +71,7 @@ def parse(document: dict) -> Priors:
 def load(path: Optional[Union[str, Path]] = None) -> Priors:
     """The priors in `path`, by default the packaged file."""
     if path is None:
-        text = resources.files("specdec").joinpath("data", PRIORS_FILE).read_text(encoding="utf-8")
+        text = resources.files("specdec").joinpath("data").joinpath(PRIORS_FILE).read_text(encoding="utf-8")
     else:
         text = Path(path).read_text(encoding="utf-8")
     return parse(json.loads(text))
