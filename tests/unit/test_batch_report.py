@@ -9,7 +9,6 @@ from specdec.client.cost import PriceTable, TokenPrice
 from specdec.client.report import (
     build_report,
     busy_seconds,
-    distribution,
     render_markdown,
     summarize,
     summarize_file,
@@ -34,15 +33,6 @@ def failed(id_, error="HTTP 500 server_error: boom", start=0.0, end=1.0, attempt
             "started_at": start, "finished_at": end}
 
 
-def test_distribution_hand_computed():
-    d = distribution([1.0, 2.0, 3.0, 4.0])
-    assert (d.count, d.mean, d.p50) == (4, 2.5, 2.5)
-    assert d.p95 == pytest.approx(3.85) and d.p99 == pytest.approx(3.97)
-    d = distribution([float(v) for v in range(1, 101)])  # 1..100
-    assert d.p50 == pytest.approx(50.5) and d.p95 == pytest.approx(95.05) and d.p99 == pytest.approx(99.01)
-    assert distribution([]) is None
-
-
 def test_busy_seconds_is_the_union_of_intervals():
     assert busy_seconds([(0, 2), (1, 3), (5, 6)]) == 4
     assert busy_seconds([(5, 6), (0, 10)]) == 10
@@ -63,6 +53,8 @@ def test_summary_final_state_per_id():
     assert s.failure_reasons == (("HTTP 400 invalid_request_error: bad", 1),)
     assert (s.prompt_tokens, s.completion_tokens) == (20, 40)
     assert s.latency.mean == 2.0 and s.ttft.mean == pytest.approx(0.2)
+    latency = build_report([s], PriceTable({}), None)["runs"][0]["latency_seconds"]
+    assert latency == {"count": 2, "mean": 2.0, "p50": 2.0, "p95": pytest.approx(2.9), "p99": pytest.approx(2.98)}
     # a: [0,1] and [10,13]; b: [0,1]; c: [0,1] twice → union 1 + 3 = 4 seconds
     assert s.wall_seconds == 4.0
     assert s.output_tokens_per_second == 10.0 and s.requests_per_second == 0.5

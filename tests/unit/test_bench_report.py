@@ -5,7 +5,7 @@ import json
 import pytest
 
 from specdec.bench.report import (acceptance_length_counts, build_report, median_of_ratios, paired_values,
-                                  speedup_of_means, spread, summarize)
+                                  quartiles, speedup_of_means, summarize)
 
 
 def rec(prompt_id, config, tps, category="a", repeat=0, wall=1.0, generated=10, rounds=0, drafted=0, accepted=0,
@@ -20,10 +20,10 @@ def rec(prompt_id, config, tps, category="a", repeat=0, wall=1.0, generated=10, 
             "matches_off": matches_off, **extra}
 
 
-def test_spread_uses_linear_percentiles():
-    s = spread([40, 10, 30, 20])
+def test_quartiles_use_linear_percentiles():
+    s = quartiles([40, 10, 30, 20])
     assert s == {"median": 25.0, "p25": 17.5, "p75": 32.5, "min": 10.0, "max": 40.0, "mean": 25.0}
-    assert spread([])["median"] is None
+    assert quartiles([]) == dict.fromkeys(("median", "p25", "p75", "min", "max", "mean"))
 
 
 def test_speedup_ratio_of_means_and_median_of_ratios_differ():

@@ -21,13 +21,13 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from specdec.bench.datasets import BenchPrompt
-from specdec.bench.records import RecordFile
+from specdec.bench.records import RecordFile, bench_record
 from specdec.bench.runner import BASELINE, WARMUP_MAX_TOKENS, BenchSettings
+from specdec.client.records import RequestRecord, stream_timing
 from specdec.types import SpecdecError
 
 log = logging.getLogger(__name__)
@@ -175,16 +175,6 @@ class LlamaServer:
             self.process.wait()
 
 
-def peer_record(prompt: BenchPrompt, label: str, method: str, k: int, repeat: int, source: str = LLAMA_SERVER) -> dict:
-    return {
-        "source": source, "prompt_id": prompt.id, "category": prompt.category, "config": label,
-        "method": method, "num_draft_tokens": k, "repeat": repeat, "success": False, "error": None,
-        "prompt_tokens": None, "output_token_ids": [], "text": None, "finish_reason": None,
-        "wall_seconds": None, "stats": None, "timings": None,
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 @dataclass(frozen=True)
 class PeerRun:
     """One peer configuration: its label, the method it mirrors, its K and the peer's own options
@@ -195,8 +185,10 @@ class PeerRun:
     k: int
     options: dict
 
-    def record(self, prompt: BenchPrompt, repeat: int, source: str) -> dict:
-        return peer_record(prompt, self.label, self.method, self.k, repeat, source)
+    def record(self, prompt: BenchPrompt, repeat: int, source: str, measured: RequestRecord, started_at: float) -> dict:
+        identity = {"source": source, "prompt_id": prompt.id, "category": prompt.category, "config": self.label,
+                    "method": self.method, "num_draft_tokens": self.k, "repeat": repeat, "timings": None}
+        return bench_record(measured, identity, started_at)
 
 
 def unrecorded(prompts: Sequence[BenchPrompt], run: PeerRun, repeats: int,
@@ -209,18 +201,16 @@ def record_failures(source: str, run: PeerRun, todo: Sequence[tuple[BenchPrompt,
                     records: RecordFile, counts: dict) -> None:
     """One failed record per (prompt, repeat) of `todo`: the peer could not run `run` at all."""
     for prompt, repeat in todo:
-        record = run.record(prompt, repeat, source)
-        record["error"] = error
-        records.append(record)
+        records.append(run.record(prompt, repeat, source, RequestRecord(error=error), time.time()))
         counts["failed"] += 1
 
 
 def measure_peer(source: str, run: PeerRun, todo: Sequence[tuple[BenchPrompt, int]], settings: BenchSettings,
-                 warm_up: Callable[[], object], measure: Callable[[dict, BenchPrompt, int], None],
+                 warm_up: Callable[[], object], measure: Callable[[BenchPrompt, int], RequestRecord],
                  records: RecordFile, counts: dict, unit: str, progress: bool) -> None:
     """The measurement loop of every peer configuration: `settings.warmup` unrecorded warm-ups, then
-    one record per (prompt, repeat) of `todo`, appended as soon as it is measured. `measure(record,
-    prompt, repeat)` fills a fresh record; what it raises becomes the record's error."""
+    one record per (prompt, repeat) of `todo`, appended as soon as it is measured. `measure(prompt,
+    repeat)` returns what it measured; what it raises becomes the record's error."""
     from tqdm import tqdm
 
     for _ in range(settings.warmup):
@@ -231,13 +221,13 @@ def measure_peer(source: str, run: PeerRun, todo: Sequence[tuple[BenchPrompt, in
     with tqdm(total=len(todo), unit=unit, desc=run.label, file=sys.stderr, disable=not progress,
               dynamic_ncols=True) as bar:
         for prompt, repeat in todo:
-            record = run.record(prompt, repeat, source)
+            started_at = time.time()
             try:
-                measure(record, prompt, repeat)
+                measured = measure(prompt, repeat)
             except Exception as exc:
-                record["error"] = f"{type(exc).__name__}: {exc}"
+                measured = RequestRecord(error=f"{type(exc).__name__}: {exc}")
                 counts["failed"] += 1
-            records.append(record)
+            records.append(run.record(prompt, repeat, source, measured, started_at))
             counts["measured"] += 1
             bar.update(1)
 
@@ -301,17 +291,18 @@ def run_llama_server(
             server.chat(list(prompts[0].messages), min(settings.max_tokens, WARMUP_MAX_TOKENS), settings.temperature,
                         seed)
 
-        def measure(record: dict, prompt: BenchPrompt, repeat: int) -> None:
+        def measure(prompt: BenchPrompt, repeat: int) -> RequestRecord:
             started = time.perf_counter()
             response = server.chat(list(prompt.messages), settings.max_tokens, settings.temperature,
                                    None if seed is None else seed + repeat)
-            record["wall_seconds"] = time.perf_counter() - started
+            wall_seconds = time.perf_counter() - started
             choice = response["choices"][0]
             timings = response.get("timings") or {}
-            record.update(success=True, text=choice["message"]["content"],
-                          finish_reason=choice.get("finish_reason"), timings=timings,
-                          stats=stats_from_timings(timings))
-            record["prompt_tokens"] = record["stats"]["prompt_tokens"]
+            stats = stats_from_timings(timings)
+            return RequestRecord(text=choice["message"]["content"], completion_tokens=stats["generated_tokens"],
+                                 prompt_tokens=stats["prompt_tokens"], finish_reason=choice.get("finish_reason"),
+                                 wall_seconds=wall_seconds, decode_tokens_per_second=stats["tokens_per_second"],
+                                 stats=stats, fields={"timings": timings})
 
         try:
             measure_peer(LLAMA_SERVER, run, todo, settings, warm_up, measure, records, counts, "req", progress)
@@ -337,18 +328,16 @@ class StreamClock:
 
 def stats_from_stream(chunks: Sequence[tuple[float, int]], started: float, ended: float, prompt_tokens: int,
                       generated: int) -> dict:
-    """transformers' generation under the names the engine's stats use. Prompt time runs to the
-    first generated chunk (prompt processing and the first step); decode tokens/s counts the
-    tokens after that chunk over the time after it, one forward per token for plain decoding."""
-    first = chunks[1] if len(chunks) > 1 else (ended, 0)
-    prompt_seconds = first[0] - started
-    decode_seconds = ended - first[0]
-    later = max(0, generated - first[1])
+    """transformers' generation under the names the engine's stats use, timed as every stream is
+    (client/records.py `stream_timing`); StreamClock's first chunk is the prompt, not generated.
+    Prompt time runs to the first generated chunk (prompt processing and the first step)."""
+    timing = stream_timing(chunks[1:], started, generated)
     return {
         "prompt_tokens": prompt_tokens, "generated_tokens": generated,
         "drafted_tokens": None, "accepted_tokens": None, "acceptance_rate": None,  # generate does not report them
-        "prompt_seconds": prompt_seconds, "total_seconds": ended - started,
-        "tokens_per_second": later / decode_seconds if later and decode_seconds > 0 else None,
+        "prompt_seconds": ended - started if timing.ttft_seconds is None else timing.ttft_seconds,
+        "total_seconds": ended - started,
+        "tokens_per_second": timing.decode_tokens_per_second,
     }
 
 
@@ -446,17 +435,19 @@ def run_hf_assisted(
                 hf_generate(target_backend, draft_backend, encode(prompts[0]), run,
                             min(settings.max_tokens, WARMUP_MAX_TOKENS), settings, settings.seed)
 
-            def measure(record: dict, prompt: BenchPrompt, repeat: int) -> None:
+            def measure(prompt: BenchPrompt, repeat: int) -> RequestRecord:
                 prompt_ids = encode(prompt)
-                record["prompt_tokens"] = len(prompt_ids)
                 seed = None if settings.greedy else settings.seed + repeat
                 tokens, finish, stats, wall = hf_generate(target_backend, draft_backend, prompt_ids, run,
                                                           settings.max_tokens, settings, seed)
-                record.update(success=True, output_token_ids=tokens, text=target_backend.detokenize(tokens),
-                              finish_reason=finish, wall_seconds=wall, stats=stats)
+                own = {"output_token_ids": tokens}
                 off = records.find((prompt.id, BASELINE, repeat))
                 if settings.greedy and off is not None and off.get("success"):
-                    record["matches_specdec_off"] = off["output_token_ids"] == tokens
+                    own["matches_specdec_off"] = off["output_token_ids"] == tokens
+                return RequestRecord(text=target_backend.detokenize(tokens), completion_tokens=len(tokens),
+                                     prompt_tokens=len(prompt_ids), finish_reason=finish, wall_seconds=wall,
+                                     ttft_seconds=stats["prompt_seconds"],
+                                     decode_tokens_per_second=stats["tokens_per_second"], stats=stats, fields=own)
 
             measure_peer(HF_ASSISTED, run, todo_of[run.label], settings, warm_up, measure, records, counts, "gen",
                          progress)

@@ -7,15 +7,34 @@ locking and cutting are the shared JSONL store's (client/jsonl.py), as for `spec
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 from specdec.client.jsonl import JsonlStore, read_lines
+from specdec.client.records import SUCCEEDED, Layout, RequestRecord
 from specdec.types import SpecdecError
 
 RECORDS_FILE = "records.jsonl"
 
 RecordKey = tuple[str, str, int]  # (prompt_id, config, repeat)
+
+RECORD_LAYOUT = Layout(
+    keys=("source", "prompt_id", "category", "config", "method", "num_draft_tokens", "repeat", "success", "error",
+          "prompt_tokens", "output_token_ids", "text", "finish_reason", "wall_seconds", "stats", "matches_off",
+          "timings", "order", "started_at"),
+    measured={"success": SUCCEEDED, "error": "error", "prompt_tokens": "prompt_tokens", "text": "text",
+              "finish_reason": "finish_reason", "wall_seconds": "wall_seconds", "stats": "stats",
+              "started_at": "started_at"},
+    iso_times=True,
+)
+
+
+def bench_record(measured: RequestRecord, identity: dict, started_at: float) -> dict:
+    """A records.jsonl line: whose generation it was (`identity`: source, prompt, configuration,
+    repeat...), then what was measured; no token ids unless the measurement has them."""
+    fields = {**identity, "output_token_ids": [], **measured.fields}
+    return replace(measured, started_at=started_at, fields=fields).as_dict(RECORD_LAYOUT)
 
 
 def record_key(record: dict) -> RecordKey:

@@ -22,13 +22,15 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from specdec.client.tables import markdown_table, percentiles
+from specdec.client.render import Cells, fields, markdown_table, spread
 
 BASELINE = "off"
 OVERALL = "overall"
 OWN_SOURCE = "specdec"
 SPEEDUP_CHART = "speedup_by_category.png"
 ACCEPTANCE_CHART = "acceptance_length_histogram.png"
+QUARTILES = ("median", "p25", "p75", "min", "max", "mean")
+CELLS = Cells()
 
 DEFINITIONS = {
     "decode_tps": "the engine's tokens_per_second: generated tokens / (total time - prompt processing time)",
@@ -46,17 +48,9 @@ DEFINITIONS = {
 
 
 # -- arithmetic --------------------------------------------------------------------------------
-def _mean(values: Sequence[float]) -> Optional[float]:
-    return float(np.mean(values)) if len(values) else None
-
-
-def spread(values: Sequence[float]) -> dict:
-    """Median, quartiles (linear interpolation), min, max and mean; None for each when empty."""
-    if not len(values):
-        return {key: None for key in ("median", "p25", "p75", "min", "max", "mean")}
-    p25, median, p75 = percentiles(values, (25, 50, 75))
-    return {"median": median, "p25": p25, "p75": p75,
-            "min": float(min(values)), "max": float(max(values)), "mean": float(np.mean(values))}
+def quartiles(values: Sequence[float]) -> dict:
+    """What report.json keeps of a spread: median, quartiles (linear interpolation), min, max, mean."""
+    return fields(spread(values), QUARTILES)
 
 
 def _stat(record: dict, key: str):
@@ -140,13 +134,13 @@ def summarize_config(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
         "records": len(records),
         "succeeded": len(ok),
         "failed": len(records) - len(ok),
-        "decode_tps": spread(tps),
+        "decode_tps": quartiles(tps),
         "speedup_mean": speedup_of_means(decode_pairs),
         "speedup_median": median_of_ratios(decode_pairs),
         "paired": len(decode_pairs),
-        "wall_seconds": spread(walls),
+        "wall_seconds": quartiles(walls),
         "e2e_speedup": speedup_of_means(e2e_pairs),
-        "ttft_seconds_median": spread(ttft)["median"],
+        "ttft_seconds_median": quartiles(ttft)["median"],
         "generated_tokens": sum(_stat(r, "generated_tokens") or 0 for r in ok),
         "draft_rounds": rounds,
         "drafted_tokens": drafted,
@@ -252,12 +246,8 @@ def peer_summaries(records: Sequence[dict], own: Sequence[dict], peer_status: di
     return peers
 
 
-def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
-    return "—" if value is None else format(value, spec) + suffix
-
-
-def _range(d: dict, low: str, high: str) -> str:
-    return "—" if d[low] is None else f"{d[low]:.2f}–{d[high]:.2f}"
+def _iqr(tps: dict) -> str:
+    return CELLS.span(tps["p25"], tps["p75"])
 
 
 def _table(summary: dict) -> list[str]:
@@ -269,10 +259,10 @@ def _table(summary: dict) -> list[str]:
         tps = row["decode_tps"]
         n = f"{row['succeeded']}" + (f" ({row['failed']} failed)" if row["failed"] else "")
         identical = "—" if config == BASELINE or not row["compared_with_off"] else f"{row['identical_to_off']}/{row['compared_with_off']}"
-        rows.append([config, n, _fmt(tps["median"]), _range(tps, "p25", "p75"), _range(tps, "min", "max"),
-                     _fmt(row["speedup_mean"], ".2f", "×"), _fmt(row["speedup_median"], ".2f", "×"),
-                     _fmt(row["wall_seconds"]["mean"]), _fmt(row["e2e_speedup"], ".2f", "×"),
-                     _fmt(row["mean_acceptance_length"]), _fmt(row["acceptance_rate"]), identical])
+        rows.append([config, n, CELLS.number(tps["median"]), _iqr(tps), CELLS.span(tps["min"], tps["max"]),
+                     CELLS.number(row["speedup_mean"], ".2f", "×"), CELLS.number(row["speedup_median"], ".2f", "×"),
+                     CELLS.number(row["wall_seconds"]["mean"]), CELLS.number(row["e2e_speedup"], ".2f", "×"),
+                     CELLS.number(row["mean_acceptance_length"]), CELLS.number(row["acceptance_rate"]), identical])
     return markdown_table(header, rows)
 
 
@@ -322,9 +312,9 @@ def render_markdown(report: dict) -> str:
             # Its own no-draft run is the reference, compared with nothing: "—", not "0/—".
             identical = (f"{row['identical_text_to_own_off']}/{row['compared_with_own_off']}"
                          if row["compared_with_own_off"] else "—")
-            peer_rows.append([peer, config, n, _fmt(tps["median"]), _range(tps, "p25", "p75"),
-                              _fmt(row["speedup_mean"], ".2f", "×"), _fmt(row["speedup_median"], ".2f", "×"),
-                              _fmt(row["speedup_vs_specdec_off"], ".2f", "×"), _fmt(row["acceptance_rate"]), identical])
+            peer_rows.append([peer, config, n, CELLS.number(tps["median"]), _iqr(tps),
+                              CELLS.number(row["speedup_mean"], ".2f", "×"), CELLS.number(row["speedup_median"], ".2f", "×"),
+                              CELLS.number(row["speedup_vs_specdec_off"], ".2f", "×"), CELLS.number(row["acceptance_rate"]), identical])
     lines += ["", "## Peers (same prompts, same run)", ""]
     lines += markdown_table(["peer", "config", "n", "decode tok/s median", "IQR",
                              "speedup vs its no-draft run (mean tok/s)", "(median per-prompt)", "speedup vs specdec off",
@@ -339,7 +329,7 @@ def render_markdown(report: dict) -> str:
         lines += markdown_table(["prompt", "category", "config", "repeat", "first differing position", "off token",
                                  "config token", "target logit margin"],
                                 [[d["prompt_id"], d["category"], d["config"], d["repeat"], d["first_diff_position"],
-                                  _fmt(d["off_token"], "d"), _fmt(d["token"], "d"), _fmt(d["target_logit_margin"], ".4f")]
+                                  CELLS.number(d["off_token"], "d"), CELLS.number(d["token"], "d"), CELLS.number(d["target_logit_margin"], ".4f")]
                                  for d in diffs])
     if report["failures"]:
         lines += ["", "## Failures", ""]

@@ -28,13 +28,13 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from specdec.bench.datasets import BenchPrompt
-from specdec.bench.records import RecordFile
+from specdec.bench.records import RecordFile, bench_record
+from specdec.client.records import RequestRecord
 from specdec.engine.sequence import CachedSequence
 from specdec.types import (DEFAULT_NUM_DRAFT_TOKENS, METHODS, GenerationRequest, SamplingParams,
                            SpecConfig, SpecdecError)
@@ -275,31 +275,19 @@ class Runner:
         )
 
     def measure(self, prompt: BenchPrompt, prompt_ids, config: BenchConfig, repeat: int) -> dict:
-        engine = self.engines[config.source]
-        record = {
-            "source": config.source,
-            "prompt_id": prompt.id,
-            "category": prompt.category,
-            "config": config.label,
-            "method": config.method,
-            "num_draft_tokens": config.num_draft_tokens,
-            "repeat": repeat,
-            "success": False,
-            "error": None,
-            "prompt_tokens": None,
-            "output_token_ids": [],
-            "text": None,
-            "finish_reason": None,
-            "wall_seconds": None,
-            "stats": None,
-            "matches_off": None,
-            "order": measuring_order(self.configs, repeat).index(config),
-            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        }
+        identity = {"source": config.source, "prompt_id": prompt.id, "category": prompt.category,
+                    "config": config.label, "method": config.method, "num_draft_tokens": config.num_draft_tokens,
+                    "repeat": repeat, "matches_off": None, "order": measuring_order(self.configs, repeat).index(config)}
+        started_at = time.time()
         if isinstance(prompt_ids, Exception):
-            record["error"] = f"encoding the prompt failed: {type(prompt_ids).__name__}: {prompt_ids}"
-            return record
-        record["prompt_tokens"] = len(prompt_ids)
+            measured = RequestRecord(error=f"encoding the prompt failed: {type(prompt_ids).__name__}: {prompt_ids}")
+        else:
+            measured = self.timed_generation(prompt, prompt_ids, config, repeat)
+        return bench_record(measured, identity, started_at)
+
+    def timed_generation(self, prompt: BenchPrompt, prompt_ids: Sequence[int], config: BenchConfig, repeat: int) -> RequestRecord:
+        """One timed generation from a clean engine; a failure is a record with its error."""
+        engine = self.engines[config.source]
         try:
             request = self.request(prompt_ids, config, repeat, self.settings.max_tokens)
             reset_between_generations(engine)
@@ -307,13 +295,14 @@ class Runner:
                 self.give_history(engine, prompt, config, repeat)
             started = self.clock()
             result = engine.generate(request)
-            record["wall_seconds"] = self.clock() - started
+            wall_seconds = self.clock() - started
         except Exception as exc:
-            record["error"] = f"{type(exc).__name__}: {exc}"
-            return record
-        record.update(success=True, output_token_ids=list(result.token_ids), text=result.text,
-                      finish_reason=result.finish_reason, stats=dict(result.stats))
-        return record
+            return RequestRecord(prompt_tokens=len(prompt_ids), error=f"{type(exc).__name__}: {exc}")
+        stats = dict(result.stats)
+        return RequestRecord(text=result.text, completion_tokens=len(result.token_ids), prompt_tokens=len(prompt_ids),
+                             finish_reason=result.finish_reason, wall_seconds=wall_seconds,
+                             ttft_seconds=stats.get("ttft_seconds"), decode_tokens_per_second=stats.get("tokens_per_second"),
+                             stats=stats, fields={"output_token_ids": list(result.token_ids)})
 
     def give_history(self, engine, prompt: BenchPrompt, config: BenchConfig, repeat: int) -> None:
         """Fill the (anonymous) tenant's cross-request history with the prompts measured before this

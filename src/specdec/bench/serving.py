@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -34,7 +33,8 @@ import httpx
 from specdec.bench.datasets import BenchPrompt
 from specdec.bench.peers import LlamaServer, ServerOptions
 from specdec.client.structured import schema_valid
-from specdec.client.tables import markdown_table
+from specdec.client.records import Layout, RequestRecord, stream_timing
+from specdec.client.render import NEAREST_RANK, Cells, fields, markdown_table, spread
 from specdec.types import SpecdecError
 
 STARTUP_SECONDS = 900.0  # a fresh specdec serve may calibrate first
@@ -49,13 +49,18 @@ class ServedConfig:
     engine: object = None  # an in-process engine: the request runs as `specdec generate` runs it
 
 
-def percentile(values: Sequence[float], q: float) -> Optional[float]:
-    """Nearest rank (a value that occurred), not client/tables.py's interpolation: its published tables used this."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
+SERVED_LAYOUT = Layout(
+    keys=("config", "prompt_id", "category", "error", "server_decode_tokens_per_second", "text", "tokens", "seconds",
+          "ttft", "decode_tokens_per_second", "chunk_gaps", "schema_valid"),
+    measured={"error": "error", "text": "text", "tokens": "completion_tokens", "seconds": "wall_seconds",
+              "ttft": "ttft_seconds", "decode_tokens_per_second": "decode_tokens_per_second"},
+)
+
+
+def served_record(config: ServedConfig, prompt: BenchPrompt, measured: RequestRecord) -> dict:
+    """A server-records.jsonl line (run_levels adds the level, repeat and wave)."""
+    identity = {"config": config.label, "prompt_id": prompt.id, "category": prompt.category}
+    return measured.with_fields(**identity).as_dict(SERVED_LAYOUT)
 
 
 async def one_request(client: httpx.AsyncClient, config: ServedConfig, prompt: BenchPrompt, max_tokens: int) -> dict:
@@ -67,43 +72,44 @@ async def one_request(client: httpx.AsyncClient, config: ServedConfig, prompt: B
     body["cache_prompt"] = False
     if prompt.response_format is not None:
         body["response_format"] = prompt.response_format
-    record = {"config": config.label, "prompt_id": prompt.id, "category": prompt.category, "error": None}
+    try:
+        measured = await _stream(client, config.url, body)
+    except httpx.HTTPError as exc:
+        measured = RequestRecord(error=f"{type(exc).__name__}: {exc}")
+    if measured.text is not None and prompt.response_format is not None:
+        measured = measured.with_fields(schema_valid=schema_valid(measured.text, prompt.response_format))
+    return served_record(config, prompt, measured)
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> RequestRecord:
+    """One streamed chat completion, each chunk of text timed as it arrives."""
     started = time.perf_counter()
     chunks: list[float] = []
-    text, usage = [], None
-    try:
-        async with client.stream("POST", config.url + "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                record["error"] = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-                return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("error"):
-                    record["error"] = json.dumps(chunk["error"])[:300]
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices") or ():
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        chunks.append(time.perf_counter())
-                        text.append(content)
-    except httpx.HTTPError as exc:
-        record["error"] = f"{type(exc).__name__}: {exc}"
-        return record
+    text, usage, error = [], None, None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            return RequestRecord(error=f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("error"):
+                error = json.dumps(chunk["error"])[:300]
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or ():
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    chunks.append(time.perf_counter())
+                    text.append(content)
     ended = time.perf_counter()
     tokens = (usage or {}).get("completion_tokens") or len(chunks)
-    record["server_decode_tokens_per_second"] = ((usage or {}).get("speculative") or {}).get("tokens_per_second")
-    record.update(text="".join(text), tokens=tokens, seconds=ended - started,
-                  ttft=(chunks[0] - started) if chunks else None,
-                  decode_tokens_per_second=((tokens - 1) / (chunks[-1] - chunks[0])
-                                            if len(chunks) > 1 and chunks[-1] > chunks[0] else None),
-                  chunk_gaps=[b - a for a, b in zip(chunks, chunks[1:])])
-    if prompt.response_format is not None:
-        record["schema_valid"] = schema_valid(record["text"], prompt.response_format)
-    return record
-
+    timing = stream_timing([(t, 1) for t in chunks], started, tokens)  # an HTTP chunk's token count is unknown
+    own = {"server_decode_tokens_per_second": ((usage or {}).get("speculative") or {}).get("tokens_per_second"),
+           "chunk_gaps": [b - a for a, b in zip(chunks, chunks[1:])]}
+    return RequestRecord(text="".join(text), completion_tokens=tokens, error=error, wall_seconds=ended - started,
+                         ttft_seconds=timing.ttft_seconds, decode_tokens_per_second=timing.decode_tokens_per_second,
+                         fields=own)
 
 
 def engine_request(config: ServedConfig, prompt: BenchPrompt, max_tokens: int) -> dict:
@@ -116,10 +122,10 @@ def engine_request(config: ServedConfig, prompt: BenchPrompt, max_tokens: int) -
     started = time.perf_counter()
     result = engine.generate(GenerationRequest(ids, max_tokens, spec=SpecConfig(config.method)))
     stats = result.stats
-    return {"config": config.label, "prompt_id": prompt.id, "category": prompt.category, "error": None,
-            "text": result.text, "tokens": len(result.token_ids), "seconds": time.perf_counter() - started,
-            "ttft": stats.get("ttft_seconds"), "decode_tokens_per_second": stats.get("tokens_per_second"),
-            "chunk_gaps": []}
+    return served_record(config, prompt, RequestRecord(
+        text=result.text, completion_tokens=len(result.token_ids), wall_seconds=time.perf_counter() - started,
+        ttft_seconds=stats.get("ttft_seconds"), decode_tokens_per_second=stats.get("tokens_per_second"),
+        fields={"chunk_gaps": []}))
 
 
 async def run_wave(config: ServedConfig, prompts: Sequence[BenchPrompt], max_tokens: int) -> tuple[list[dict], float]:
@@ -166,41 +172,44 @@ def summarize(records: Sequence[dict], configs: Sequence[ServedConfig], levels: 
                 continue
             ok = [r for r in mine if not r["error"]]
             walls = {(r["repeat"], r["wave"]): r["wave_seconds"] for r in mine}
-            decode = [r["decode_tokens_per_second"] for r in ok if r.get("decode_tokens_per_second")]
-            server_decode = [r["server_decode_tokens_per_second"] for r in ok if r.get("server_decode_tokens_per_second")]
-            ttft = [r["ttft"] for r in ok if r.get("ttft") is not None]
-            gaps = [g for r in ok for g in r.get("chunk_gaps", ())]
+            decode = spread([r["decode_tokens_per_second"] for r in ok if r.get("decode_tokens_per_second")],
+                            NEAREST_RANK)
+            server_decode = spread([r["server_decode_tokens_per_second"] for r in ok
+                                    if r.get("server_decode_tokens_per_second")])
+            ttft = fields(spread([r["ttft"] for r in ok if r.get("ttft") is not None], NEAREST_RANK), ("p50", "p95"))
+            gaps = fields(spread([g for r in ok for g in r.get("chunk_gaps", ())], NEAREST_RANK), ("p50", "p95"))
+            decode_fields = fields(decode, ("median", "p25", "p75"))
             compared = [r for r in ok if r["prompt_id"] in alone]
             rows.append({
                 "config": config.label, "level": level, "requests": len(mine), "errors": len(mine) - len(ok),
                 "aggregate_tokens_per_second": sum(r["tokens"] for r in ok) / sum(walls.values()) if walls else None,
-                "decode_tokens_per_second_median": statistics.median(decode) if decode else None,
-                "decode_tokens_per_second_p25": percentile(decode, 0.25),
-                "decode_tokens_per_second_p75": percentile(decode, 0.75),
-                "aggregate_decode_tokens_per_second": (statistics.median(decode) * level) if decode else None,
-                "server_decode_tokens_per_second_median": statistics.median(server_decode) if server_decode else None,
-                "ttft_p50": percentile(ttft, 0.5), "ttft_p95": percentile(ttft, 0.95),
-                "chunk_gap_p50": percentile(gaps, 0.5), "chunk_gap_p95": percentile(gaps, 0.95),
+                "decode_tokens_per_second_median": decode_fields["median"],
+                "decode_tokens_per_second_p25": decode_fields["p25"],
+                "decode_tokens_per_second_p75": decode_fields["p75"],
+                "aggregate_decode_tokens_per_second": decode.median * level if decode else None,
+                "server_decode_tokens_per_second_median": fields(server_decode, ("median",))["median"],
+                "ttft_p50": ttft["p50"], "ttft_p95": ttft["p95"],
+                "chunk_gap_p50": gaps["p50"], "chunk_gap_p95": gaps["p95"],
                 "texts_as_one_stream": f"{sum(r['text'] == alone[r['prompt_id']] for r in compared)}/{len(compared)}",
             })
     return rows
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    def cell(value, digits=2):
-        return "—" if value is None else f"{value:.{digits}f}"
+    cells = Cells()
 
     def gaps(r: dict) -> str:
-        return "—" if r["chunk_gap_p50"] is None else f"{r['chunk_gap_p50'] * 1e3:.0f}/{r['chunk_gap_p95'] * 1e3:.0f}"
+        return cells.missing if r["chunk_gap_p50"] is None else \
+            f"{r['chunk_gap_p50'] * 1e3:.0f}/{r['chunk_gap_p95'] * 1e3:.0f}"
 
     header = ["config", "streams", "aggregate tok/s", "decode tok/s per stream, median (IQR)", "streams x median decode",
               "engine's own decode tok/s", "TTFT p50/p95 s", "chunk gap p50/p95 ms", "texts as at 1 stream", "errors"]
     return "\n".join(markdown_table(header, [
-        [r["config"], r["level"], cell(r["aggregate_tokens_per_second"]),
-         f"{cell(r['decode_tokens_per_second_median'])} ({cell(r['decode_tokens_per_second_p25'])}–"
-         f"{cell(r['decode_tokens_per_second_p75'])})", cell(r["aggregate_decode_tokens_per_second"]),
-         cell(r["server_decode_tokens_per_second_median"]), f"{cell(r['ttft_p50'])}/{cell(r['ttft_p95'])}", gaps(r),
-         r["texts_as_one_stream"], r["errors"]]
+        [r["config"], r["level"], cells.number(r["aggregate_tokens_per_second"]),
+         f"{cells.number(r['decode_tokens_per_second_median'])} ({cells.number(r['decode_tokens_per_second_p25'])}–"
+         f"{cells.number(r['decode_tokens_per_second_p75'])})", cells.number(r["aggregate_decode_tokens_per_second"]),
+         cells.number(r["server_decode_tokens_per_second_median"]),
+         f"{cells.number(r['ttft_p50'])}/{cells.number(r['ttft_p95'])}", gaps(r), r["texts_as_one_stream"], r["errors"]]
         for r in rows]))
 
 

@@ -30,6 +30,7 @@ from typing import Iterable, Optional, Union
 
 from specdec.client.http import APIError, AsyncClient, Completion, request_fields, speculative_decoding_field
 from specdec.client.jsonl import RECORD_ERRORS, JsonlStore, read_lines
+from specdec.client.records import Layout, RequestRecord
 from specdec.client.structured import schema_valid
 from specdec.types import SpecdecError
 
@@ -279,26 +280,35 @@ class ResultWriter(JsonlStore):
 
 # -- running -----------------------------------------------------------------------------------------
 
+RESULTS_LAYOUT = Layout(
+    keys=("id", "line", "text", "usage", "latency_seconds", "ttft_seconds", "attempts", "error", "error_type", "model",
+          "finish_reason", "speculative_decoding", "started_at", "finished_at", "schema_valid"),
+    measured={"text": "text", "latency_seconds": "wall_seconds", "ttft_seconds": "ttft_seconds", "error": "error",
+              "finish_reason": "finish_reason", "started_at": "started_at", "finished_at": "finished_at"},
+)
+
+
+def _identity(item: BatchItem, body: dict) -> dict:
+    return {"id": item.id, "line": item.line_no, "model": body.get("model"),
+            "speculative_decoding": body.get("speculative_decoding")}
+
+
 def success_record(item: BatchItem, completion: Completion, body: dict, started_at: float) -> dict:
-    return {
-        "id": item.id, "line": item.line_no, "text": completion.text, "usage": completion.usage,
-        "latency_seconds": completion.latency_seconds, "ttft_seconds": completion.ttft_seconds,
-        "attempts": [a.as_dict() for a in completion.attempts], "error": None, "error_type": None,
-        "model": completion.model or body.get("model"), "finish_reason": completion.finish_reason,
-        "speculative_decoding": body.get("speculative_decoding"), "started_at": started_at,
-        "finished_at": time.time(),
-        "schema_valid": schema_valid(completion.text, body.get("response_format")),
-    }
+    return RequestRecord(
+        text=completion.text, finish_reason=completion.finish_reason, wall_seconds=completion.latency_seconds,
+        ttft_seconds=completion.ttft_seconds, started_at=started_at, finished_at=time.time(),
+        fields={**_identity(item, body), "model": completion.model or body.get("model"), "usage": completion.usage,
+                "attempts": [a.as_dict() for a in completion.attempts], "error_type": None,
+                "schema_valid": schema_valid(completion.text, body.get("response_format"))},
+    ).as_dict(RESULTS_LAYOUT)
 
 
 def failure_record(item: BatchItem, error: str, error_type: str, attempts: list, body: dict,
                    started_at: float) -> dict:
-    return {
-        "id": item.id, "line": item.line_no, "text": None, "usage": None, "latency_seconds": None,
-        "ttft_seconds": None, "attempts": attempts, "error": error, "error_type": error_type, "model": body.get("model"),
-        "finish_reason": None, "speculative_decoding": body.get("speculative_decoding"), "started_at": started_at,
-        "finished_at": time.time(),
-    }
+    return RequestRecord(
+        error=error, started_at=started_at, finished_at=time.time(),
+        fields={**_identity(item, body), "usage": None, "attempts": attempts, "error_type": error_type},
+    ).as_dict(RESULTS_LAYOUT)
 
 
 def unwritable_record(item: BatchItem, record: dict, exc: BaseException, settings: BatchSettings) -> dict:

@@ -14,38 +14,19 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
-import numpy as np
-
 from specdec.client.batch import id_key, read_results, record_key, usage_count
 from specdec.client.cost import PriceTable, compute_cost, token_cost
-from specdec.client.tables import markdown_table, percentiles
+from specdec.client.render import Cells, Spread, fields, markdown_table, spread
 from specdec.types import SpecdecError
 
 MAX_REASON_CHARS = 200
-
-
-@dataclass(frozen=True)
-class Distribution:
-    count: int
-    mean: float
-    p50: float
-    p95: float
-    p99: float
-
-
-def distribution(values: Sequence[float]) -> Optional[Distribution]:
-    """Mean and percentiles of `values`; None when there are none.
-
-    Example: [1, 2, 3, 4] → mean 2.5, p50 2.5, p95 3.85, p99 3.97.
-    """
-    if not values:
-        return None
-    return Distribution(len(values), float(np.mean(np.asarray(values, dtype=float))), *percentiles(values, (50, 95, 99)))
+DISTRIBUTION = ("count", "mean", "p50", "p95", "p99")  # what report.json keeps of a spread
+CELLS = Cells(missing="n/a")
 
 
 def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
@@ -82,8 +63,8 @@ class RunSummary:
     prompt_tokens: int
     completion_tokens: int
     tokens_by_model: dict  # model -> [prompt_tokens, completion_tokens], successful requests
-    latency: Optional[Distribution]
-    ttft: Optional[Distribution]
+    latency: Optional[Spread]
+    ttft: Optional[Spread]
     wall_seconds: float
     speculative: Optional[dict]
     texts: dict  # id key -> text of the successful line, for comparing runs
@@ -142,8 +123,8 @@ def summarize(records: Sequence[dict], ids: Optional[Sequence[object]] = None, *
         prompt_tokens=sum(v[0] for v in tokens_by_model.values()),
         completion_tokens=sum(v[1] for v in tokens_by_model.values()),
         tokens_by_model=tokens_by_model,
-        latency=distribution([r["latency_seconds"] for r in ok_records if r.get("latency_seconds") is not None]),
-        ttft=distribution([r["ttft_seconds"] for r in ok_records if r.get("ttft_seconds") is not None]),
+        latency=spread([r["latency_seconds"] for r in ok_records if r.get("latency_seconds") is not None]),
+        ttft=spread([r["ttft_seconds"] for r in ok_records if r.get("ttft_seconds") is not None]),
         wall_seconds=busy_seconds(intervals),
         speculative=_speculative(ok_records),
         texts={record_key(r): r.get("text") for r in ok_records},
@@ -221,8 +202,8 @@ def run_section(summary: RunSummary, prices: PriceTable, machine_hour_usd: Optio
                      "schema_valid": summary.structured[0], "structured": summary.structured[1]},
         "tokens": {"prompt": summary.prompt_tokens, "completion": summary.completion_tokens,
                    "total": summary.prompt_tokens + summary.completion_tokens},
-        "latency_seconds": None if summary.latency is None else asdict(summary.latency),
-        "ttft_seconds": None if summary.ttft is None else asdict(summary.ttft),
+        "latency_seconds": None if summary.latency is None else fields(summary.latency, DISTRIBUTION),
+        "ttft_seconds": None if summary.ttft is None else fields(summary.ttft, DISTRIBUTION),
         "wall_seconds": summary.wall_seconds,
         "throughput": {"output_tokens_per_second": summary.output_tokens_per_second,
                        "total_tokens_per_second": summary.total_tokens_per_second,
@@ -282,20 +263,6 @@ def build_report(summaries: Sequence[RunSummary], prices: PriceTable, machine_ho
 
 # -- Markdown --------------------------------------------------------------------------------------
 
-def _num(value: Optional[float], spec: str = ".3f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def _usd(value: Optional[float]) -> str:
-    if value is None:
-        return "n/a"
-    return f"${value:,.2f}" if abs(value) >= 1 else f"${value:.6f}"
-
-
-def _pct(value: Optional[float]) -> str:
-    return "n/a" if value is None else f"{value * 100:+.1f} %"
-
-
 def render_markdown(doc: dict) -> str:
     runs = doc["runs"]
     labels = [run["label"] or "run" for run in runs]
@@ -334,7 +301,7 @@ def render_markdown(doc: dict) -> str:
                           "were skipped (a torn last line is cut at the next run).", ""])
 
     def dist(key: str, stat: str):
-        return lambda r: _num((r[key] or {}).get(stat))
+        return lambda r: CELLS.number((r[key] or {}).get(stat), ".3f")
 
     table("Latency (seconds, successful requests)", [
         row(f"latency {stat}", dist("latency_seconds", stat)) for stat in ("mean", "p50", "p95", "p99")
@@ -342,24 +309,24 @@ def render_markdown(doc: dict) -> str:
     table("Tokens and throughput", [
         row("prompt tokens", lambda r: str(r["tokens"]["prompt"])),
         row("completion tokens", lambda r: str(r["tokens"]["completion"])),
-        row("wall time (s)", lambda r: _num(r["wall_seconds"], ".2f")),
-        row("output tokens/s", lambda r: _num(r["throughput"]["output_tokens_per_second"], ".2f")),
-        row("total tokens/s", lambda r: _num(r["throughput"]["total_tokens_per_second"], ".2f")),
-        row("requests/s", lambda r: _num(r["throughput"]["requests_per_second"], ".3f")),
+        row("wall time (s)", lambda r: CELLS.number(r["wall_seconds"], ".2f")),
+        row("output tokens/s", lambda r: CELLS.number(r["throughput"]["output_tokens_per_second"], ".2f")),
+        row("total tokens/s", lambda r: CELLS.number(r["throughput"]["total_tokens_per_second"], ".2f")),
+        row("requests/s", lambda r: CELLS.number(r["throughput"]["requests_per_second"], ".3f")),
     ])
     if any(run["speculative"] for run in runs):
         table("Speculation (as reported by the server)", [
             row("method", lambda r: ", ".join(r["speculative"]["methods"]) if r["speculative"] else "none reported"),
-            row("acceptance rate", lambda r: _num((r["speculative"] or {}).get("acceptance_rate"))),
-            row("mean acceptance length", lambda r: _num((r["speculative"] or {}).get("mean_acceptance_length"), ".2f")),
+            row("acceptance rate", lambda r: CELLS.number((r["speculative"] or {}).get("acceptance_rate"), ".3f")),
+            row("mean acceptance length", lambda r: CELLS.number((r["speculative"] or {}).get("mean_acceptance_length"), ".2f")),
         ])
 
     def token_cost_cell(run: dict) -> str:
         view = run["cost"]["token_pricing"]
-        return _usd(view["total_usd"]) if view["total_usd"] is not None else view.get("note", "n/a")
+        return CELLS.usd(view["total_usd"]) if view["total_usd"] is not None else view.get("note", "n/a")
 
     def compute_cell(key: str):
-        return lambda r: _usd(r["cost"]["compute_pricing"][key]) if key in r["cost"]["compute_pricing"] \
+        return lambda r: CELLS.usd(r["cost"]["compute_pricing"][key]) if key in r["cost"]["compute_pricing"] \
             else r["cost"]["compute_pricing"]["note"]
 
     table("Cost", [
@@ -381,14 +348,14 @@ def render_markdown(doc: dict) -> str:
     if comparison:
         c = comparison
         saving = c["compute_cost_per_million_output_tokens_saving"]
-        saving_cell = _pct(saving) if saving is not None else c.get("compute_note", "n/a")
+        saving_cell = CELLS.change(saving) if saving is not None else c.get("compute_note", "n/a")
         lines.extend([f"## {c['candidate']} vs {c['baseline']}", "",
                       *markdown_table(["", f"{c['candidate']} vs {c['baseline']}"], [
-                          ["mean latency", _pct(c['latency_mean_change'])],
-                          ["p50 latency", _pct(c['latency_p50_change'])],
-                          ["mean time to first token", _pct(c['ttft_mean_change'])],
-                          ["output tokens/s", f"{_num(c['output_tokens_per_second_speedup'], '.2f')}×"],
-                          ["wall time", _pct(c['wall_seconds_change'])],
+                          ["mean latency", CELLS.change(c['latency_mean_change'])],
+                          ["p50 latency", CELLS.change(c['latency_p50_change'])],
+                          ["mean time to first token", CELLS.change(c['ttft_mean_change'])],
+                          ["output tokens/s", f"{CELLS.number(c['output_tokens_per_second_speedup'], '.2f')}×"],
+                          ["wall time", CELLS.change(c['wall_seconds_change'])],
                           ["compute cost per million output tokens, saving", saving_cell],
                           ["identical texts", f"{c['identical_texts']} of {c['compared_texts']}"],
                       ]),
@@ -423,10 +390,10 @@ def summary_text(doc: dict) -> str:
         req, lat, thr = run["requests"], run["latency_seconds"] or {}, run["throughput"]
         prefix = f"[{run['label']}] " if run["label"] else ""
         out.append(f"{prefix}{req['ok']}/{req['total']} ok, {req['failed']} failed, {req['not_run']} not run; "
-                   f"latency mean {_num(lat.get('mean'))}s p95 {_num(lat.get('p95'))}s; "
-                   f"{_num(thr['output_tokens_per_second'], '.2f')} output tok/s")
+                   f"latency mean {CELLS.number(lat.get('mean'), '.3f')}s p95 {CELLS.number(lat.get('p95'), '.3f')}s; "
+                   f"{CELLS.number(thr['output_tokens_per_second'], '.2f')} output tok/s")
     c = doc.get("comparison")
     if c:
-        out.append(f"{c['candidate']} vs {c['baseline']}: {_num(c['output_tokens_per_second_speedup'], '.2f')}× output tok/s, "
-                   f"mean latency {_pct(c['latency_mean_change'])}, identical texts {c['identical_texts']}/{c['compared_texts']}")
+        out.append(f"{c['candidate']} vs {c['baseline']}: {CELLS.number(c['output_tokens_per_second_speedup'], '.2f')}× output tok/s, "
+                   f"mean latency {CELLS.change(c['latency_mean_change'])}, identical texts {c['identical_texts']}/{c['compared_texts']}")
     return "\n".join(out)
