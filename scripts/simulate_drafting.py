@@ -29,6 +29,9 @@ also writes them to specdec/data/drafting_priors.json (or the path given), the f
 (drafters/policy/priors.py); the draft model's prior there is kept as it is.
 --tenant-history gives each simulated prompt the earlier ones (prompt and `off` output) as its
 tenant's history, as `specdec bench --tenant-history` does.
+--streams N decodes the prompts in waves of N concurrent streams, as the engine core does: each
+round every unfinished stream plans (told how many share the forward), all their rows are priced
+as one forward, t(all rows), against plain decoding's t(unfinished streams) a round.
 """
 from __future__ import annotations
 
@@ -122,6 +125,7 @@ def simulate(drafter: Drafter, k: int, prompt: list[int], output: list[int], cos
     position = 0
     while position < len(output):
         budget = min(k, len(output) - position - 1)
+        drafter.share_round(1, tokens_left=len(output) - position)
         proposal = drafter.propose(context, budget, GREEDY, rng) if budget > 0 else Proposal(())
         draft = proposal.draft_tokens
         matched = agreeing_prefix(draft, output[position:])
@@ -138,6 +142,56 @@ def simulate(drafter: Drafter, k: int, prompt: list[int], output: list[int], cos
             "plain_seconds": len(output) * cost.target(1)}
 
 
+def simulate_together(drafters: list[Drafter], k: int, generations: list[tuple[list[int], list[int]]],
+                      cost: CostModel) -> dict:
+    """Generations decoded together as the engine core decodes concurrent streams: each round every
+    unfinished stream plans in turn (told how many streams share the forward), all their rows go
+    into one forward priced at the cost model's t(all rows), each commits its accepted prefix and one
+    token. Plain decoding: one row per unfinished stream a round."""
+    contexts = [list(prompt) for prompt, _ in generations]
+    positions = [0] * len(generations)
+    for drafter, (prompt, _) in zip(drafters, generations):
+        drafter.begin(prompt)
+    rng = np.random.default_rng(0)
+    seconds = proposed = accepted = rounds = 0
+    while True:
+        active = [i for i, (_, output) in enumerate(generations) if positions[i] < len(output)]
+        if not active:
+            break
+        plans = {}
+        for i in active:
+            output, position = generations[i][1], positions[i]
+            budget = min(k, len(output) - position - 1)
+            drafters[i].share_round(len(active), tokens_left=len(output) - position)
+            plans[i] = drafters[i].propose(contexts[i], budget, GREEDY, rng) if budget > 0 else Proposal(())
+        seconds += cost.target(sum(1 + len(p.draft_tokens) for p in plans.values()))
+        rounds += 1
+        for i, proposal in plans.items():
+            output, position = generations[i][1], positions[i]
+            matched = agreeing_prefix(proposal.draft_tokens, output[position:])
+            drafters[i].observe(proposal, matched, None if len(active) > 1 else cost.target(1 + len(proposal.draft_tokens)))
+            proposed += len(proposal.draft_tokens)
+            accepted += matched
+            step = output[position:position + matched + 1]
+            contexts[i].extend(step)
+            positions[i] += len(step)
+    lengths = [len(output) for _, output in generations]
+    plain = sum(cost.target(sum(n > r for n in lengths)) for r in range(max(lengths)))
+    return {"seconds": seconds, "rounds": rounds, "proposed": proposed, "accepted": accepted, "plain_seconds": plain}
+
+
+def print_waves(results: dict[str, list[dict]]) -> None:
+    print("| drafter | waves | plain / drafter, median over waves (min-max) | total | acceptance |")
+    print("|---|---|---|---|---|")
+    for name, waves in results.items():
+        ratios = sorted(w["plain_seconds"] / w["seconds"] for w in waves)
+        total = sum(w["plain_seconds"] for w in waves) / sum(w["seconds"] for w in waves)
+        proposed, accepted = sum(w["proposed"] for w in waves), sum(w["accepted"] for w in waves)
+        rate = accepted / proposed if proposed else float("nan")
+        print(f"| {name} | {len(waves)} | {statistics.median(ratios):.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f}) "
+              f"| {total:.3f}x | {rate:.2f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("records", help="a bench output folder whose records hold `off` outputs")
@@ -151,6 +205,8 @@ def main() -> int:
     parser.add_argument("--write", nargs="?", const=str(PRIORS_PATH), default=None, metavar="PATH",
                         help=f"--fit-priors writes the priors `auto` reads (default {PRIORS_PATH})")
     parser.add_argument("--tokenizer-backend", default="ik_llama.cpp")
+    parser.add_argument("--streams", type=int, default=1,
+                        help="decode the prompts in waves of this many concurrent streams (auto and ngram drafters)")
     args = parser.parse_args()
     generations = load_generations(Path(args.records), args.tokenizer_backend)
     if args.fit_priors:
@@ -167,6 +223,17 @@ def main() -> int:
         raise SystemExit("--cost is needed to simulate drafters")
     cost = load_cost(args.cost)
     factories = drafter_factories(cost)
+    if args.streams > 1:
+        chosen = [(p, r["output_token_ids"]) for _, rank, p, r in generations if args.first is None or rank < args.first]
+        waves = [chosen[i:i + args.streams] for i in range(0, len(chosen), args.streams)]
+        results = {}
+        for name in args.drafters.split(","):
+            results[name] = []
+            for wave in waves:
+                made = [factories[name]() for _ in wave]
+                results[name].append(simulate_together([d for d, _ in made], made[0][1], wave, cost))
+        print_waves(results)
+        return 0
     by_category: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     history = new_history() if args.tenant_history else None
     for category, rank, prompt_ids, record in generations:

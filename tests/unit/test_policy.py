@@ -227,16 +227,48 @@ def test_the_priors_file_is_what_the_fit_writes(tmp_path):
         priors.parse(broken)
 
 
-def test_simulate_drafting_fits_and_writes_the_priors_file(tmp_path):
-    """scripts/simulate_drafting.py --fit-priors --write: the fit over recorded outputs becomes the
-    file `auto` loads, the draft model's prior kept from the file it replaces."""
+def simulate_drafting_script():
     import importlib.util
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "simulate_drafting.py"
     spec = importlib.util.spec_from_file_location("simulate_drafting", script)
-    simulate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(simulate)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_simulate_drafting_decodes_streams_together_in_one_forward_a_round():
+    """--streams: every unfinished stream's rows in one forward a round, priced at t(all rows)."""
+    from specdec.drafters.base import Drafter, NoDrafter
+    from specdec.types import Proposal
+
+    simulate = simulate_drafting_script()
+    cost = CostModel({n: 0.01 * (1 + n) for n in range(1, 17)}, None)  # t(n) = 10 ms x (1 + n)
+    outputs = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    generations = [([1, 2], outputs[0]), ([3, 4], outputs[1])]
+
+    class Knows(Drafter):  # proposes the next two tokens of its output: both always accepted
+        def __init__(self, output):
+            self.output = output
+
+        def propose(self, context, k, sampling, rng, guide=None):
+            done = len(context) - 2
+            return Proposal(tuple(self.output[done:done + min(2, k)]))
+
+    plain = simulate.simulate_together([NoDrafter(), NoDrafter()], 3, generations, cost)
+    # Rounds 1-3: two rows, t(2) = 30 ms; rounds 4-6: one row, t(1) = 20 ms.
+    assert plain["rounds"] == 6 and plain["seconds"] == pytest.approx(0.15) == pytest.approx(plain["plain_seconds"])
+    knowing = simulate.simulate_together([Knows(outputs[0]), Knows(outputs[1])], 3, generations, cost)
+    # Round 1: 3 + 3 rows (t(6) = 70 ms) commit 3 tokens each; round 2: 3 rows of the first (40 ms).
+    assert (knowing["rounds"], knowing["proposed"], knowing["accepted"]) == (2, 6, 6)
+    assert knowing["seconds"] == pytest.approx(0.11)
+
+
+def test_simulate_drafting_fits_and_writes_the_priors_file(tmp_path):
+    """scripts/simulate_drafting.py --fit-priors --write: the fit over recorded outputs becomes the
+    file `auto` loads, the draft model's prior kept from the file it replaces."""
+    simulate = simulate_drafting_script()
     text = [1, 2, 3, 4, 5, 1, 2, 3, 6, 7] * 3
     generations = [("qa", rank, text[:10], {"output_token_ids": text[10:]}) for rank in range(3)]
     fitted = simulate.fit_priors(generations, skip=1)
