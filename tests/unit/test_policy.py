@@ -210,7 +210,7 @@ def test_confidence_calibration_counts_verified_positions():
 
 
 def test_the_priors_file_is_what_the_fit_writes(tmp_path):
-    packaged = resources.files("specdec").joinpath("data", priors.PRIORS_FILE).read_text(encoding="utf-8")
+    packaged = resources.files("specdec").joinpath("data").joinpath(priors.PRIORS_FILE).read_text(encoding="utf-8")
     content = priors.document(priors.NGRAM_PRIORS, priors.CACHE_PRIORS, priors.DRAFT_PRIOR)
     assert priors.dumps(content) == packaged  # the writer reproduces the file byte for byte
     assert priors.NGRAM_PRIORS[(1, "split")] == 0.14 and priors.NGRAM_PRIORS[(10**9, "unanimous")] == 0.99

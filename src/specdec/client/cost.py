@@ -103,7 +103,7 @@ def parse_price_table(data: object, origin: str) -> PriceTable:
 
 
 def default_price_table() -> PriceTable:
-    text = resources.files("specdec").joinpath("data", "prices.json").read_text(encoding="utf-8")
+    text = resources.files("specdec").joinpath("data").joinpath("prices.json").read_text(encoding="utf-8")
     return parse_price_table(json.loads(text), "specdec/data/prices.json")
 
 
