@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from specdec.sampling.probs import position_uniform, sample, sample_with, token_distribution
-from specdec.sampling.verify import verify, verify_deterministic, verify_greedy
+from specdec.sampling.verify import verify, verify_deterministic
 from specdec.types import SamplingParams
 
 
@@ -15,14 +15,19 @@ def one_hot(i, n):
     return v
 
 
+def greedy(draft, argmaxes):
+    """Greedy verification: the target's own token at each position is its argmax."""
+    return verify_deterministic(draft, argmaxes.__getitem__)
+
+
 def test_greedy_examples():
-    v = verify_greedy([5, 7, 9], [5, 7, 2, 4])
+    v = greedy([5, 7, 9], [5, 7, 2, 4])
     assert v.accepted_tokens == (5, 7) and v.next_token == 2
-    v = verify_greedy([5, 7], [5, 7, 8])
+    v = greedy([5, 7], [5, 7, 8])
     assert v.accepted_tokens == (5, 7) and v.next_token == 8
-    v = verify_greedy([], [3])
+    v = greedy([], [3])
     assert v.accepted_tokens == () and v.next_token == 3
-    v = verify_greedy([1, 2], [0, 2, 2])
+    v = greedy([1, 2], [0, 2, 2])
     assert v.accepted_tokens == () and v.next_token == 0
 
 
@@ -74,7 +79,7 @@ def test_one_hot_draft_matches_greedy_rule_when_target_is_one_hot():
     target = np.stack([one_hot(4, 6), one_hot(1, 6), one_hot(5, 6)])
     v = verify([4, 2], None, target, rng)
     assert v.accepted_tokens == (4,) and v.next_token == 1
-    assert verify_greedy([4, 2], [4, 1, 5]) == v
+    assert greedy([4, 2], [4, 1, 5]) == v
 
 
 def test_target_rows_given_by_a_function_are_computed_only_up_to_the_rejection():

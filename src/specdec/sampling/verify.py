@@ -68,7 +68,10 @@ def verify(
 def verify_deterministic(draft_tokens: Sequence[int], target_token: Callable[[int], int]) -> Verdict:
     """Accept while the draft equals the target's own token at each position (see the module's
     docstring); target_token(i) gives it for draft position i (0..k, k the bonus position) and is
-    asked only for the positions reached."""
+    asked only for the positions reached. Greedy decoding's rule: the target's token is its argmax.
+    Example: draft [5, 7, 9], argmaxes [5, 7, 2, 4] -> accepted (5, 7), next_token 2;
+    draft [5, 7], argmaxes [5, 7, 8] -> accepted (5, 7), next_token 8 (the bonus token).
+    """
     accepted: list[int] = []
     for i, token in enumerate(draft_tokens):
         own = int(target_token(i))
@@ -77,12 +80,3 @@ def verify_deterministic(draft_tokens: Sequence[int], target_token: Callable[[in
         accepted.append(own)
     return Verdict(tuple(accepted), int(target_token(len(draft_tokens))))
 
-
-def verify_greedy(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> Verdict:
-    """Greedy special case: accept while the draft equals the target's argmax.
-
-    target_argmax: [k + 1] the target's argmax at each draft position plus one.
-    Example: draft [5, 7, 9], argmax [5, 7, 2, 4] -> accepted (5, 7), next_token 2;
-    draft [5, 7], argmax [5, 7, 8] -> accepted (5, 7), next_token 8 (the bonus token).
-    """
-    return verify_deterministic(draft_tokens, lambda i: target_argmax[i])
