@@ -118,32 +118,11 @@ class OracleSuffix(OracleLookup):
 def simulate(drafter: Drafter, k: int, prompt: list[int], output: list[int], cost: CostModel,
              history=None) -> dict:
     """One generation's rounds: seconds, rounds, proposed and accepted tokens."""
-    context = list(prompt)
-    drafter.begin(prompt, history)
-    rng = np.random.default_rng(0)
-    seconds = proposed = accepted = rounds = 0
-    position = 0
-    while position < len(output):
-        budget = min(k, len(output) - position - 1)
-        drafter.share_round(1, tokens_left=len(output) - position)
-        proposal = drafter.propose(context, budget, GREEDY, rng) if budget > 0 else Proposal(())
-        draft = proposal.draft_tokens
-        matched = agreeing_prefix(draft, output[position:])
-        round_seconds = cost.target(1 + len(draft))
-        drafter.observe(proposal, matched, round_seconds)
-        seconds += round_seconds
-        rounds += 1
-        proposed += len(draft)
-        accepted += matched
-        step = output[position:position + matched + 1]
-        context.extend(step)
-        position += len(step)
-    return {"seconds": seconds, "rounds": rounds, "proposed": proposed, "accepted": accepted,
-            "plain_seconds": len(output) * cost.target(1)}
+    return simulate_together([drafter], k, [(prompt, output)], cost, history)
 
 
 def simulate_together(drafters: list[Drafter], k: int, generations: list[tuple[list[int], list[int]]],
-                      cost: CostModel) -> dict:
+                      cost: CostModel, history=None) -> dict:
     """Generations decoded together as the engine core decodes concurrent streams: each round every
     unfinished stream plans in turn (told how many streams share the forward), all their rows go
     into one forward priced at the cost model's t(all rows), each commits its accepted prefix and one
@@ -151,7 +130,7 @@ def simulate_together(drafters: list[Drafter], k: int, generations: list[tuple[l
     contexts = [list(prompt) for prompt, _ in generations]
     positions = [0] * len(generations)
     for drafter, (prompt, _) in zip(drafters, generations):
-        drafter.begin(prompt)
+        drafter.begin(prompt, history)
     rng = np.random.default_rng(0)
     seconds = proposed = accepted = rounds = 0
     while True:
