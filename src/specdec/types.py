@@ -5,11 +5,12 @@ Naming: `target_*` is the model whose output we must reproduce, `draft_*` the ch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
 METHODS = ("off", "ngram", "draft", "auto")
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 # auto: never measurably slower than plain decoding, faster where drafting pays (docs/notebook.md, "Adaptive speculation")
 DEFAULT_METHOD = "auto"
 DEFAULT_NUM_DRAFT_TOKENS = 3
@@ -25,6 +26,10 @@ class SamplingParams:
 
     temperature == 0 means greedy (argmax). The same transform is applied in plain and speculative
     decoding, so speculation never changes the distribution being sampled.
+
+    logit_bias (OpenAI's): (token id, bias) pairs, sorted by id, added to the target's logits before
+    every other transform (and the grammar's mask); -100 bans a token outright. A mapping or any
+    iterable of pairs is accepted and stored in that canonical form.
     """
 
     temperature: float = 0.0
@@ -32,6 +37,11 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: Optional[int] = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.logit_bias != ():
+            object.__setattr__(self, "logit_bias", _canonical_logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -46,6 +56,45 @@ class SamplingParams:
             raise SpecdecError("top_p must be in (0, 1].")
         if not 0.0 <= self.min_p <= 1.0:
             raise SpecdecError("min_p must be in [0, 1].")
+        ids = [token for token, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            raise SpecdecError("logit_bias names a token id more than once.")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise SpecdecError(f"logit_bias token ids must be >= 0, not {token}.")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails too
+                raise SpecdecError(f"logit_bias values must be in [-100, 100]; token {token} has {bias}.")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise if logit_bias names a token outside a vocabulary of `vocab_size` tokens."""
+        if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
+            raise SpecdecError(f"logit_bias names token id {self.logit_bias[-1][0]}, "
+                               f"but the model's vocabulary has only {vocab_size} tokens.")
+
+
+def _canonical_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    """A logit_bias given as a mapping or pairs -> (token id, bias) pairs sorted by id. Ids may be
+    ints or decimal strings (JSON's object keys); duplicates are kept for validate() to refuse."""
+    try:
+        items = bias.items() if isinstance(bias, Mapping) else bias
+        pairs = [(_token_id(token), _bias_value(value)) for token, value in items]
+    except (TypeError, ValueError) as exc:
+        raise SpecdecError("logit_bias must map token ids (integers) to numbers.") from exc
+    return tuple(sorted(pairs, key=lambda pair: pair[0]))
+
+
+def _token_id(token: Any) -> int:
+    if isinstance(token, str) and token.strip().lstrip("+-").isdigit():
+        return int(token)
+    if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+        raise TypeError(token)
+    return int(token)
+
+
+def _bias_value(value: Any) -> float:
+    if isinstance(value, (bool, str)):
+        raise TypeError(value)
+    return float(value)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ distribution at each draft position plus one. Plain decoding is the same loop wi
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from typing import Callable, Optional
@@ -19,7 +20,7 @@ from specdec.engine.stats import GenerationStats
 from specdec.engine.stopping import TextAssembler
 from specdec.grammar.constraint import Constraint
 from specdec.sampling.logprobs import token_logprobs
-from specdec.sampling.probs import one_hot, position_uniform, sample_with, token_distribution
+from specdec.sampling.probs import biased_logits, one_hot, position_uniform, sample_with, token_distribution
 from specdec.sampling.verify import verify, verify_deterministic
 from specdec.types import GenerationRequest, Proposal, RoundOutcome, SpecdecError, StreamEvent, TokenLogprob
 
@@ -47,6 +48,7 @@ class Generation:
             raise SpecdecError("the prompt is empty.")
         if len(prompt) >= target.backend.n_ctx:
             raise SpecdecError(f"the prompt has {len(prompt)} tokens but the context holds only {target.backend.n_ctx}.")
+        request.sampling.check_vocabulary(target.backend.vocab_size)
         self.request = request
         self.target = target
         self.drafter = drafter
@@ -59,6 +61,11 @@ class Generation:
         # draft model's proposals and their acceptance (Leviathan's rule with its q).
         self.seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
         self.rng = np.random.default_rng([self.seed, 1 << 64])  # a stream no position key collides with
+        # The request's sampling less its logit_bias: the target's rows get the bias once, in
+        # _target_row, before the grammar's mask and every transform; the drafters get none (their
+        # proposals are verified against the biased target, so it cannot change the output).
+        sampling = request.sampling
+        self._shaping = dataclasses.replace(sampling, logit_bias=()) if sampling.logit_bias else sampling
         self.context: list[int] = list(request.prompt_token_ids)  # prompt + generated; last = pending
         self.token_ids: list[int] = []
         self.assembler = TextAssembler(request.stop)
@@ -101,7 +108,7 @@ class Generation:
         k = min(self._k, room)
         t0 = self.clock()
         if k > 0:
-            self._proposal = self.drafter.propose(self.context, k, self.request.sampling, self.rng,
+            self._proposal = self.drafter.propose(self.context, k, self._shaping, self.rng,
                                                   guide=self.constraint)
         else:
             self._proposal = Proposal(())
@@ -117,7 +124,7 @@ class Generation:
         cost model of `auto`)."""
         proposal = self._proposal
         draft_tokens = proposal.draft_tokens
-        sampling = self.request.sampling
+        sampling = self._shaping  # row(i) has the logit_bias already
         row = self._target_row(target_logits, draft_tokens)
         if sampling.greedy:
             # Each row's argmax is taken when verification reaches it (a masked row costs a copy).
@@ -146,7 +153,8 @@ class Generation:
             if self.finished:  # a stop string or the token limit ended it mid-run
                 break
         self._sources = sources[:len(new_tokens)]
-        if self.request.logprobs is not None:  # raw row i: the target's distribution of committed token i
+        # Raw row i: the target's own distribution of committed token i (no bias, mask or filter).
+        if self.request.logprobs is not None:
             self._logprobs = token_logprobs(target_logits, new_tokens, self.request.logprobs)
         if self.constraint is not None and not self.finished and self.constraint.finished:
             self._finish("stop")  # the grammar is complete: the end token it now forces ends the text
@@ -180,16 +188,27 @@ class Generation:
         return Proposal((*tokens, *forced), probs if drafted else None, source)
 
     def _target_row(self, target_logits: np.ndarray, draft_tokens) -> Callable[[int], np.ndarray]:
-        """Row i of the target's logits, masked by the grammar state the proposal reached there."""
+        """Row i of the target's logits plus the request's logit_bias, then masked by the grammar
+        state the proposal reached there (so no bias revives a token the grammar forbids). Without
+        either, the rows themselves: nothing is copied."""
+        logit_bias = self.request.sampling.logit_bias
         if self.constraint is None:
-            return target_logits.__getitem__
+            if not logit_bias:
+                return target_logits.__getitem__
+            return lambda i: biased_logits(target_logits[i], logit_bias)
         constraint = self.constraint
 
         def masked(i: int) -> np.ndarray:
             allowed = constraint.allowed_after(draft_tokens[:i])
             if not allowed.any():
                 raise SpecdecError("the grammar allows no token at this point of the output.")
-            return np.where(allowed, target_logits[i], np.float32(-np.inf))
+            if not logit_bias:
+                return np.where(allowed, target_logits[i], np.float32(-np.inf))
+            biased = biased_logits(target_logits[i], logit_bias)  # a fresh copy: masked in place
+            biased[~allowed] = -np.inf
+            if biased.max() == -np.inf:
+                raise SpecdecError("logit_bias bans every token the grammar allows at this point of the output.")
+            return biased
         return masked
 
     def _record(self, proposal: Proposal, accepted: int, alone_seconds: Optional[float]) -> None:

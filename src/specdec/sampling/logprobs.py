@@ -1,8 +1,10 @@
 """Log-probabilities the API reports: log_softmax of the target's raw logits row.
 
 Temperature 1 and no sampling filter (top-k, top-p, min-p): the model's own distribution, as
-OpenAI and vLLM report it. Verification already computed the row of every committed token, and
-exact verification makes that row the same in every speculative method, so the values are too.
+OpenAI and vLLM report it. No logit_bias either (vLLM's default raw logprobs): the bias changes
+which token is chosen, not the model's probabilities reported for it. Verification already
+computed the row of every committed token, and exact verification makes that row the same in
+every speculative method, so the values are too.
 """
 from __future__ import annotations
 

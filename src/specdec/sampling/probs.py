@@ -2,13 +2,15 @@
 
 The same function serves plain and speculative decoding (and the draft model's own proposals), so
 temperature, top-k, top-p and min-p shape the target's distribution identically in every method.
-Order of the filters: temperature, softmax, top-k, top-p, min-p, renormalise.
+Order of the filters: logit_bias, temperature, softmax, top-k, top-p, min-p, renormalise.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from specdec.types import SamplingParams
+from specdec.types import MAX_LOGIT_BIAS, SamplingParams, SpecdecError
 
 _TOP_P_PARTIAL_SORT = 2048  # sort only this many candidates for top-p unless they fall short
 
@@ -40,12 +42,43 @@ def one_hot(index: int, size: int) -> np.ndarray:
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _bias_arrays(logit_bias: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, values, banned ids) of a canonical logit_bias, built once per distinct bias."""
+    ids = np.array([token for token, _ in logit_bias], dtype=np.intp)
+    values = np.array([bias for _, bias in logit_bias], dtype=np.float64)
+    banned = ids[values <= -MAX_LOGIT_BIAS]
+    for array in (ids, values, banned):
+        array.setflags(write=False)  # shared through the cache
+    return ids, values, banned
+
+
+def biased_logits(logits: np.ndarray, logit_bias: tuple[tuple[int, float], ...]) -> np.ndarray:
+    """One row of logits [vocab] with SamplingParams.logit_bias added: the same array, uncopied,
+    when the bias is empty; else a copy. -100 bans a token outright (its logit becomes -inf, at
+    any temperature); +100 makes a token all but certain. Raises if nothing is left to generate."""
+    if not logit_bias:
+        return logits
+    ids, values, banned = _bias_arrays(logit_bias)
+    if ids[-1] >= logits.shape[-1]:
+        raise SpecdecError(f"logit_bias names token id {int(ids[-1])}, "
+                           f"but the model's vocabulary has only {logits.shape[-1]} tokens.")
+    out = np.array(logits, dtype=np.result_type(logits.dtype, np.float32))
+    out[ids] += values.astype(out.dtype)
+    out[banned] = -np.inf
+    if out.max() == -np.inf:
+        raise SpecdecError("logit_bias bans every token that may come next.")
+    return out
+
+
 def token_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The sampling distribution for one position. logits: [vocab] -> probs [vocab] (float64, sums to 1).
 
     Greedy (temperature 0) is the one-hot of the argmax, so the lossless acceptance rule reduces to
-    "accept while the draft equals the argmax".
+    "accept while the draft equals the argmax". params.logit_bias is added first (no copy when empty).
     """
+    if params.logit_bias:
+        logits = biased_logits(logits, params.logit_bias)
     if params.greedy:
         return one_hot(int(np.argmax(logits)), logits.shape[-1])
     probs = softmax(logits, params.temperature)
