@@ -75,6 +75,10 @@ class Backend(ABC):
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return b"".join(self.token_bytes(t) for t in token_ids).decode("utf-8", errors="replace")
 
+    def chat_template_source(self) -> Optional[str]:
+        """The model's chat template as it ships with it (Jinja), or None: none, or rendered otherwise."""
+        return None
+
     def describe(self) -> dict:
         return {"name": self.name, "vocab_size": self.vocab_size, "n_ctx": self.n_ctx}
 

@@ -86,6 +86,9 @@ class FakeBackend(Backend):
     def token_bytes(self, token_id: int) -> bytes:
         return self.pieces[token_id]
 
+    def chat_template_source(self) -> Optional[str]:
+        return self.chat_template  # None: the built-in layout below, which is no Jinja text
+
     def apply_chat_template(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> str:
         if self.chat_template is not None:
             return render_chat_template(self.chat_template, messages, tools)

@@ -164,6 +164,9 @@ class LlamaFamilyBackend(Backend):
     def fingerprint_bytes(self, token_id: int) -> bytes:
         return self._piece(token_id, special=True)
 
+    def chat_template_source(self) -> Optional[str]:
+        return self._chat_template or None
+
     def apply_chat_template(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> str:
         if not self._chat_template:
             raise SpecdecError(f"{self.model_path.name} has no chat template; use a raw completion prompt instead.")

@@ -151,6 +151,10 @@ class TorchBackend(Backend):
     def fingerprint_bytes(self, token_id: int) -> bytes:
         return self._fingerprint_pieces[token_id]
 
+    def chat_template_source(self) -> Optional[str]:
+        template = self.tokenizer.chat_template
+        return template if isinstance(template, str) and template else None
+
     def apply_chat_template(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> str:
         if not self.tokenizer.chat_template:
             raise SpecdecError(f"{self.model_path.name} has no chat template; use a raw completion prompt instead.")

@@ -190,6 +190,14 @@ class Engine:
             raise SpecdecError("a completion prompt is text; messages need chat=True.")
         return self.target.tokenize(prompt, add_special=True)
 
+    def render_chat(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> str:
+        """Chat messages rendered with the model's own template as text, ending with the assistant
+        prompt: the text `encode_prompt(messages, chat=True, tools=tools)` tokenizes (which keeps
+        the messages' own text plain where this text holds special-token spellings)."""
+        if tools:
+            return self.target.apply_chat_template(list(messages), tools)
+        return self.target.apply_chat_template(list(messages))  # as encode_chat calls it without tools
+
     # -- generation --------------------------------------------------------------------------
     def new_generation(self, request: GenerationRequest, slot: int = 0) -> Generation:
         request.validate()
