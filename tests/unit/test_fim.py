@@ -238,7 +238,6 @@ def test_llama_vscode_request_is_accepted(server):
     ({"input_prefix": "a", "repeat_penalty": 1.1}, "repeat_penalty"),
     ({"input_prefix": "a", "samplers": ["top_k", "mirror"]}, "samplers"),
     ({"input_prefix": "a", "grammar": "root ::= \"x\""}, "grammar"),
-    ({"input_prefix": "a", "frobnicate": 1}, "frobnicate"),
     ({"input_prefix": "a", "input_extra": [{"filename": "a.py"}]}, "input_extra[0].text"),
 ])
 def test_infill_refuses_what_it_cannot_honour(server, body, param):

@@ -20,7 +20,7 @@ from specdec.backends.fake import FakeBackend
 from specdec.engine.engine import Engine
 from specdec.server import ServerConfig, create_app
 from specdec.server.hosts import allowed_hosts_for
-from specdec.server.routes import TokenPieces
+from specdec.server.pieces import TokenPieces
 from specdec.server.testing import serve_in_thread
 from specdec.types import GenerationRequest, SamplingParams, SpecConfig
 

@@ -119,10 +119,12 @@ def streams_end_in_done(ctx, response, case):
     if errors:
         assert errors == [len(payloads) - 1], "an error event must be the last event before [DONE]"
         payloads = payloads[:-1]
-    # One finish_reason chunk per choice (`n` of them), unless an error event ended the stream.
+    # One finish_reason chunk per choice (`n` of them for each prompt), unless an error event ended the stream.
     finals = sorted(choice["index"] for p in payloads for choice in p["choices"] if choice["finish_reason"] is not None)
     n = int((case.body.get("n") if isinstance(case.body, dict) else None) or 1)  # 3.0 is a valid n
-    assert finals == ([] if errors else list(range(n))), f"finish_reason chunks for choices {finals}"
+    prompt = case.body.get("prompt") if isinstance(case.body, dict) else None
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    assert finals == ([] if errors else list(range(n * prompts))), f"finish_reason chunks for choices {finals}"
     assert len({p["id"] for p in payloads}) <= 1, "the chunks of one stream carry different ids"
     return None
 

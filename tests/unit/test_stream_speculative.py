@@ -9,7 +9,7 @@ import pytest
 from specdec.backends.fake import FakeBackend
 from specdec.engine.engine import Engine
 from specdec.server import ServerConfig, create_app
-from specdec.server.routes import TokenPieces
+from specdec.server.pieces import TokenPieces
 from specdec.server.speculative import SourceAnnotator
 from specdec.server.testing import serve_in_thread
 from specdec.types import RoundOutcome, SpecConfig, StreamEvent

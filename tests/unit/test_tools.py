@@ -108,7 +108,6 @@ CALLED = {"id": "call_1", "type": "function", "function": {"name": "f", "argumen
     ({"tools": [function(parameters=nested(100))]}, "tools[0].function.parameters"),
     ({"tools": [function(strict="yes")]}, "tools[0].function.strict"),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]}, "tools[0].function.extra"),
     ({"tools": [function(f"f{i}") for i in range(129)]}, "tools"),
     ({"tools": "f"}, "tools"),
     ({"tools": [function()], "tool_choice": {"type": "function", "function": {"name": "g"}}},
@@ -132,6 +131,13 @@ def test_malformed_tools_are_400s_naming_the_field(server, fields, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_unknown_fields_in_tool_definitions_are_ignored_and_named(server):
+    response = post(server[0], tools=[{"type": "function", "cache_control": {"type": "ephemeral"},
+                                       "function": {"name": "f", "defer_loading": True}}])
+    assert response.status_code == 200, response.text
+    assert response.headers["x-specdec-ignored-fields"] == "tools[].cache_control, tools[].function.defer_loading"
 
 
 def test_tools_larger_than_the_limit_are_refused_before_any_work(server):
@@ -240,7 +246,6 @@ def test_parse_keeps_the_models_argument_text():
     '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',
     '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',
     '<tool_call>\n{"name": "f", "arguments": {}, "extra": 1}\n</tool_call>',
-    '<tool_call>\n{"name": "f", "arguments": {"a": 1',
     "text <tool_call",
     "plain text, no call",
     "",
@@ -248,6 +253,19 @@ def test_parse_keeps_the_models_argument_text():
 def test_what_is_no_call_stays_content_as_written(text):
     parsed = parse_output(text)
     assert parsed.content == text and parsed.tool_calls == []
+
+
+@pytest.mark.parametrize("text, content", [
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1', None),
+    ('Let me look.\n<tool_call>\n{"name": "f", "arguments": {"a": 1', "Let me look."),
+    ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"na', None),
+])
+def test_a_call_cut_short_is_neither_call_nor_content(text, content):
+    """max_tokens inside a call: its raw markup is never returned as text."""
+    parsed = parse_output(text)
+    assert parsed.content == content
+    assert "<tool_call>" not in (parsed.content or "")
+    assert len(parsed.tool_calls) == text.count("</tool_call>")
 
 
 def test_a_malformed_block_beside_a_call_stays_content():
@@ -326,10 +344,12 @@ def test_an_answer_without_calls(client):
     assert choice.message.tool_calls is None
 
 
-def test_a_call_cut_by_max_tokens_is_content_with_finish_length(client):
+def test_a_call_cut_by_max_tokens_is_no_content_with_finish_length(client):
     choice = ask(client, "ONE-CALL", max_tokens=20).choices[0]
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    assert choice.message.content.startswith("<tool_call>")
+    assert "<tool_call>" not in (choice.message.content or "")
+    streamed = list(ask(client, "ONE-CALL", max_tokens=20, stream=True))
+    assert "<tool_call>" not in "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
 
 
 @pytest.mark.parametrize("prompt", ["ONE-CALL", "TWO-CALLS", "NO-CALL"])
@@ -470,3 +490,43 @@ def test_streamed_calls_keep_every_tokens_logprobs_and_source(client):
     assert len(logprobs) == generated and len(sources) == generated
     deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
     assert {d.function.name for d in deltas if d.function.name} == {"get_weather", "get_time"}
+
+
+# -- bare calls: a turn that opens with the call's JSON, without tags ------------------------------
+NAMES = frozenset({"get_weather", "get_time"})
+BARE = [
+    ('```json\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n```', None,
+     [("get_weather", '{"city": "Paris", "days": 2}')]),
+    ('{"name": "get_time", "parameters": {"zone": "UTC", "hour": 1}}', None, [("get_time", '{"zone": "UTC", "hour": 1}')]),
+    ('```json\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n```\nDone.', "Done.",
+     [("get_weather", '{"city": "Oslo", "days": 1}')]),
+    # not a call: an undeclared name, other keys, JSON that is an answer, a call not at the start
+    ('```json\n{"name": "rm_rf", "arguments": {}}\n```', '```json\n{"name": "rm_rf", "arguments": {}}\n```', []),
+    ('{"name": "get_weather", "city": "Paris"}', '{"name": "get_weather", "city": "Paris"}', []),
+    ('{"answer": 42}', '{"answer": 42}', []),
+    ('Sure: {"name": "get_weather", "arguments": {}}', 'Sure: {"name": "get_weather", "arguments": {}}', []),
+    ('```python\nprint(1)\n```', '```python\nprint(1)\n```', []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", BARE)
+def test_a_turn_opening_with_a_bare_call_is_that_call(text, content, calls):
+    parsed = parse_output(text, NAMES)
+    assert parsed.content == content and calls_of(parsed) == calls
+    assert calls_of(parse_output(text)) == []  # without the tools' names, never a call
+
+
+@pytest.mark.parametrize("text, content, calls", BARE)
+def test_a_bare_call_streamed_in_any_pieces_is_the_same(text, content, calls):
+    rng = random.Random(len(text))
+    for _ in range(20):
+        parser, items, position = ToolStreamParser(NAMES), [], 0
+        while position < len(text):
+            step = rng.randint(1, 6)
+            items += parser.feed(text[position:position + step])
+            position += step
+        items += parser.finish()
+        streamed_text = "".join(item for item in items if isinstance(item, str))
+        streamed_calls = [(item.function.name, item.function.arguments) for item in items
+                          if not isinstance(item, str) and item.id is not None]
+        assert (streamed_text or None, streamed_calls) == (content, calls)

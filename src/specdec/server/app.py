@@ -17,6 +17,7 @@ from specdec.server.drain import Drain
 from specdec.server.errors import install_error_handlers
 from specdec.server.hosts import HostAllowListMiddleware
 from specdec.server.limits import BodyLimitMiddleware
+from specdec.server.llama_server_api import router as llama_server_router
 from specdec.server.metrics import HTTPMetricsMiddleware, ServerMetrics
 from specdec.server.openapi import openapi_document
 from specdec.server.playground import PAGE_PATHS
@@ -76,6 +77,7 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None,
     scheduler.engine_listeners.append(lambda new: setattr(app.state.specdec, "engine", new))
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(llama_server_router)
     app.include_router(playground_router)
     # Outermost last: every request is counted; its Host is checked first (DNS rebinding), then its
     # key (a 401 before the body is read), then its body's size and pace.

@@ -148,3 +148,17 @@ def usage_of(stats: Sequence[dict]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=first.get("cached_prompt_tokens", 0)),
                  speculative=speculative)
+
+
+def usage_of_prompts(stats: Sequence[dict], n: int) -> Usage:
+    """One usage for a request of several prompts (completions), each with `n` choices in a row:
+    each prompt counted once; the speculative block per prompt under `per_prompt`."""
+    usages = [usage_of(stats[i:i + n]) for i in range(0, len(stats), n)]
+    if len(usages) == 1:
+        return usages[0]
+    prompt = sum(usage.prompt_tokens for usage in usages)
+    completion = sum(usage.completion_tokens for usage in usages)
+    cached = sum(usage.prompt_tokens_details.cached_tokens for usage in usages if usage.prompt_tokens_details)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                 speculative={"per_prompt": [usage.speculative for usage in usages]})

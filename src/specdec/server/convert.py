@@ -116,22 +116,27 @@ def generation_request(engine: Engine, config: ServerConfig, body: Union[ChatCom
         raise bad_request(f"{prompt_param}: the prompt has {len(prompt_ids)} tokens but the context holds only "
                           f"{n_ctx}.", prompt_param, "context_length_exceeded")
     max_tokens: Optional[int] = body.max_tokens
-    max_param = "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
+        max_tokens = body.max_completion_tokens
     if max_tokens is None:
-        max_tokens = config.max_tokens  # generation also ends at the context limit
-    elif len(prompt_ids) + max_tokens > n_ctx:
-        raise bad_request(f"{max_param}: the prompt ({len(prompt_ids)} tokens) plus {max_param} ({max_tokens}) "
-                          f"exceeds the context of {n_ctx} tokens.", max_param, "context_length_exceeded")
+        max_tokens = config.max_tokens
+    # Beyond the room the context leaves, the answer ends there ("length"), as peers do: agents ask
+    # for 32,000 tokens whatever the model holds. Only a prompt that does not fit is refused.
+    max_tokens = min(max_tokens, n_ctx - len(prompt_ids))
     temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
-    sampling = SamplingParams(
-        temperature=temperature,
-        top_k=max(0, body.top_k or 0),
-        top_p=1.0 if body.top_p is None else body.top_p,
-        min_p=body.min_p or 0.0,
-        seed=None if body.seed is None else body.seed % 2**64,
-    )
+    try:
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_k=max(0, body.top_k or 0),
+            top_p=1.0 if body.top_p is None else body.top_p,
+            min_p=body.min_p or 0.0,
+            seed=None if body.seed is None else body.seed % 2**64,
+            # "7" and "007" name one token: the last given wins, as a JSON object's last key does
+            logit_bias=tuple({int(token): bias for token, bias in (body.logit_bias or {}).items()}.items()),
+        )
+        sampling.check_vocabulary(engine.target.vocab_size)
+    except SpecdecError as exc:
+        raise bad_request(f"logit_bias: {exc}", "logit_bias", "invalid_token_id") from None
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if isinstance(body, ChatCompletionRequest):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -160,6 +165,16 @@ def generation_request(engine: Engine, config: ServerConfig, body: Union[ChatCom
     except SpecdecError as exc:
         raise bad_request(str(exc)) from None
     return request
+
+
+def prompts_of(body: Union[ChatCompletionRequest, CompletionRequest]) -> list[Union[ChatCompletionRequest,
+                                                                                 CompletionRequest]]:
+    """The request once per prompt: completions may send a list of them (strings or token lists),
+    each with its own choices; a chat request is one prompt."""
+    if isinstance(body, CompletionRequest) and isinstance(body.prompt, list) and body.prompt \
+            and not isinstance(body.prompt[0], int):
+        return [body.model_copy(update={"prompt": prompt}) for prompt in body.prompt]
+    return [body]
 
 
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:

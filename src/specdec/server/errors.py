@@ -1,4 +1,7 @@
-"""OpenAI-shaped errors: every failure answers `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in each API surface's own shape, chosen by the request's path: OpenAI's
+`{"error": {"message", "type", "param", "code"}}` everywhere but Anthropic's Messages API
+(`/v1/messages...`), which answers `{"type": "error", "error": {"type", "message"}}` with
+Anthropic's error types.
 
 Bad input is a 4xx naming the parameter; a 500 only ever means a bug in the server.
 """
@@ -48,8 +51,31 @@ def error_body(message: str, type: str, param: Optional[str] = None, code: Optio
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(error: APIError) -> Response:
-    return json_response(error_body(error.message, error.type, error.param, error.code), error.status, error.headers)
+ANTHROPIC_PATHS = ("/v1/messages",)
+# Anthropic's error type by status (its API's errors page); 503 is its "overloaded_error" (529).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(error: APIError) -> dict:
+    kind = ANTHROPIC_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def uses_anthropic_errors(path: Optional[str]) -> bool:
+    return bool(path) and any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
+
+
+def shaped_error_body(error: APIError, path: Optional[str] = None) -> dict:
+    """The error's body in the shape of the API surface at `path`."""
+    if uses_anthropic_errors(path):
+        return anthropic_error_body(error)
+    return error_body(error.message, error.type, error.param, error.code)
+
+
+def error_response(error: APIError, path: Optional[str] = None) -> Response:
+    return json_response(shaped_error_body(error, path), error.status, error.headers)
 
 
 def json_response(content: Any, status: int = 200, headers: Optional[dict[str, str]] = None) -> Response:
@@ -120,24 +146,27 @@ def unparsable_body(cause: BaseException) -> APIError:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(validation_error(exc))
+        return error_response(validation_error(exc), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        path = request.url.path
         if isinstance(exc, HTTPAPIError):
-            return error_response(exc.error)
+            return error_response(exc.error, path)
         if exc.status_code == 400 and exc.__cause__ is not None:
-            return error_response(unparsable_body(exc.__cause__))
+            return error_response(unparsable_body(exc.__cause__), path)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        message = {404: f"no route {request.url.path}.", 405: f"method {request.method} is not allowed on {request.url.path}."}
-        return json_response(error_body(message.get(exc.status_code, str(exc.detail)), kind), exc.status_code,
-                             dict(exc.headers or {}))
+        message = {404: f"no route {path}.", 405: f"method {request.method} is not allowed on {path}."}
+        error = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)), kind)
+        error.headers = dict(exc.headers or {})
+        return error_response(error, path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("internal error on %s", request.url.path)
-        return json_response(error_body("internal server error.", "server_error", None, "internal_error"), 500)
+        return error_response(APIError(500, "internal server error.", "server_error", None, "internal_error"),
+                              request.url.path)

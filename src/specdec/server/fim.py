@@ -19,30 +19,26 @@ ending in one with `"stop": true` (llama-server sends no `[DONE]` here).
 """
 from __future__ import annotations
 
-import asyncio
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Callable, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, Optional, Sequence, Union
 
-import anyio
-import anyio.to_thread
 from pydantic import AfterValidator, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
 from specdec.backends.base import Backend
-from specdec.server.errors import APIError, bad_request, json_response, register_field_names
+from specdec.server.errors import APIError, bad_request, register_field_names
 from specdec.server.limits import PROMPT_BYTES_PER_TOKEN
 from specdec.server.protocol import (
     TOKEN_LIMIT, Int, MinP, Seed, SpeculativeField, Stop, Temperature, TopK, TopP, _neutral, _Strict, integer,
 )
-from specdec.server.sse import KEEPALIVE, EventStreamResponse, sse_data, sse_error
-from specdec.server.tickets import Failed, QueueFull, Refused, Started, Ticket, queue_timeout_error
+from specdec.server.serving import ServerState, ignored_fields, respond, state_of, submit, tenant_of
+from specdec.server.sse import KEEPALIVE, sse_data, sse_error
+from specdec.server.tickets import Started, Ticket
 from specdec.types import GenerationRequest, SamplingParams, SpecdecError, StreamEvent
 
-if TYPE_CHECKING:
-    from specdec.server.routes import ServerState
 
 # (prefix, suffix, middle, pad, repository, file separator) of Qwen2.5-Coder (and CodeGemma),
 # StarCoder, DeepSeek-Coder; the last three may be missing. (CodeLlama's ▁<PRE> spelling is not here.)
@@ -271,6 +267,18 @@ def infill_settings(body: InfillRequest) -> InfillSettings:
     return InfillSettings(sampling, applied, n_predict)
 
 
+def check_infill_size(backend: Backend, body: InfillRequest) -> None:
+    """Refuse, before any of it is tokenized, text that no context could hold: the prefix and
+    suffix are cut to their windows below, the prompt and each extra chunk are not."""
+    limit = backend.n_ctx * PROMPT_BYTES_PER_TOKEN
+    texts = [("prompt", body.prompt)] + [(f"input_extra[{i}]", chunk.text + chunk.filename)
+                                         for i, chunk in enumerate(body.input_extra)]
+    for param, text in texts:
+        if len(text) > limit:
+            raise bad_request(f"{param}: {len(text)} characters of text cannot fit a context of {backend.n_ctx} "
+                              "tokens.", param, "context_length_exceeded")
+
+
 def encode_infill(backend: Backend, body: InfillRequest, n_predict: int) -> list[int]:
     """llama.cpp's format_infill (tools/server), the user's text all plain."""
     fim = require_fim(backend, "input_prefix")
@@ -306,7 +314,7 @@ def encode_infill(backend: Backend, body: InfillRequest, n_predict: int) -> list
             *prompt, fim.suffix, *suffix[:suffix_take], fim.middle]
 
 
-def infill_generation_request(state: "ServerState", body: InfillRequest, settings: InfillSettings,
+def infill_generation_request(state: ServerState, body: InfillRequest, settings: InfillSettings,
                               prompt_ids: list[int], tenant: Optional[str]) -> GenerationRequest:
     n_ctx = state.engine.target.n_ctx
     if len(prompt_ids) >= n_ctx:
@@ -419,12 +427,19 @@ def _select(response: dict, fields: Optional[list[str]]) -> dict:
 class _Answer:
     """An infill answer as it arrives: its text (cut by InfillLimits), tokens and final event."""
 
-    def __init__(self, state: "ServerState", body: InfillRequest, settings: InfillSettings, ticket: Ticket):
+    def __init__(self, state: ServerState, body: InfillRequest, settings: InfillSettings, ticket: Ticket):
         self.state, self.body, self.settings, self.ticket = state, body, settings, ticket
         self.limits: Optional[InfillLimits] = None
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.prompt_tokens = len(ticket.request.prompt_token_ids)
+
+    def observe(self, index: int, item: Union[Started, StreamEvent]) -> None:
+        """An item of an answer that is not streamed, as it arrives (a limit cancels the generation)."""
+        if isinstance(item, Started):
+            self.start()
+        else:
+            self.add(item)
 
     def start(self) -> None:
         self.limits = InfillLimits(self.body.n_indent or 0, self.body.t_max_predict_ms or 0, time.monotonic())
@@ -479,95 +494,65 @@ class _Answer:
                 "stop": False, "tokens_predicted": len(self.token_ids), "tokens_evaluated": self.prompt_tokens}
 
 
-async def _cancel_on_disconnect(request: Request, ticket: Ticket) -> None:
-    while True:
-        if (await request.receive())["type"] == "http.disconnect":
-            ticket.cancel()
-            return
-
-
-async def infill_response(request: Request, body: InfillRequest, state: "ServerState",
-                          tenant: Optional[str]) -> Response:
-    """POST /infill: the generation goes through the scheduler as every other route's does."""
-    config = state.config
+async def infill_response(request: Request, body: InfillRequest) -> Response:
+    """POST /infill: the generation goes through the serving core as every other route's does."""
+    state = state_of(request)
     settings = infill_settings(body)
-    try:
-        state.scheduler.check_accepting()
-        with anyio.fail_after(config.request_timeout):  # a stuck tokenizer must not hold the request
-            prompt_ids = await anyio.to_thread.run_sync(encode_infill, state.engine.target, body, settings.n_predict,
-                                                        abandon_on_cancel=True)
-        gen_request = infill_generation_request(state, body, settings, prompt_ids, tenant)
-        ticket = state.scheduler.submit(gen_request, asyncio.get_running_loop())
-    except QueueFull:
-        raise APIError(429, "the server is at capacity: every slot is busy and the queue is full; retry later.",
-                       "rate_limit_error", None, "queue_full", {"Retry-After": str(config.retry_after)}) from None
-    except Refused as refused:
-        raise refused.error from None
-    except TimeoutError:
-        raise queue_timeout_error(config.request_timeout, config.retry_after) from None
-    answer = _Answer(state, body, settings, ticket)
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, ticket))
-    streaming = False
-    try:
-        if body.stream:
-            try:  # a failure while queued briefly is still an HTTP status (as on the OpenAI routes)
-                first = await asyncio.wait_for(ticket.next(), config.sse_keepalive)
-            except asyncio.TimeoutError:
-                first = None
-            if isinstance(first, Failed):
-                raise first.error
-            watcher.cancel()
-            streaming = True
-            return EventStreamResponse(_stream(answer, first), on_close=ticket.cancel,
-                                       write_timeout=config.write_timeout)
-        while True:
-            item = await ticket.next()
-            if isinstance(item, Failed):
-                raise item.error
-            if isinstance(item, Started):
-                answer.start()
-            elif isinstance(item, StreamEvent):
-                answer.add(item)
-                if item.finish_reason is not None:
-                    return json_response(answer.final(item, stream=False))
-    finally:
-        if not streaming:
-            watcher.cancel()
-            ticket.cancel()  # a no-op once finished; frees the slot if this handler was interrupted
+    tenant = tenant_of(request)
+
+    def prepare(engine) -> list[GenerationRequest]:
+        check_infill_size(engine.target, body)
+        prompt_ids = encode_infill(engine.target, body, settings.n_predict)
+        return [infill_generation_request(state, body, settings, prompt_ids, tenant)]
+
+    merge = await submit(request, 1, prepare)
+    answer = _Answer(state, body, settings, merge.tickets[0])
+    return await respond(request, merge, stream=bool(body.stream), writer=lambda: InfillStream(answer),
+                         whole=lambda results: answer.final(results[0].final, stream=False),
+                         observe=answer.observe, ignored=ignored_fields(body))
 
 
-async def _stream(answer: _Answer, first: Any) -> AsyncIterator[bytes]:
-    """llama-server's infill stream: `data: {"content": ..., "stop": false}` events, then the
-    final object with `"stop": true`; a failure is one error event (the OpenAI error object)."""
-    from specdec.server.routes import TokenPieces  # routes.py imports this module
+class InfillStream:
+    """llama-server's infill stream (serving.StreamWriter): `data: {"content": ..., "stop": false}`
+    events, then the final object with `"stop": true`, and no `[DONE]`; a failure is one error
+    event (the OpenAI error object)."""
 
-    config = answer.state.config
-    pieces = TokenPieces(answer.state.engine.target.token_bytes) if config.stream_one_token_per_chunk else None
-    item = first
-    while True:
-        if item is None:
-            try:
-                item = await asyncio.wait_for(answer.ticket.next(), config.sse_keepalive)
-            except asyncio.TimeoutError:
-                yield KEEPALIVE
-                continue
-        if isinstance(item, Failed):
-            yield sse_error(item.error)
-            return
+    def __init__(self, answer: _Answer):
+        from specdec.server.pieces import TokenPieces
+
+        self.answer = answer
+        config = answer.state.config
+        token_bytes = answer.state.engine.target.token_bytes
+        self.pieces = TokenPieces(token_bytes) if config.stream_one_token_per_chunk else None
+
+    def begin(self) -> list[bytes]:
+        return []
+
+    def item(self, index: int, item: Union[Started, StreamEvent]) -> list[bytes]:
+        answer = self.answer
         if isinstance(item, Started):
             answer.start()
-        elif isinstance(item, StreamEvent):
-            cut_before = answer.limits is not None and answer.limits.cut
-            kept = answer.add(item)
-            if not cut_before:
-                # Every event goes through `pieces`, text or not: its tokens' bytes place later cuts.
-                split = pieces.split(item.text, item.token_ids) if pieces is not None else [item.text]
-                for i, text in enumerate(_clip(split, len(kept))):
-                    yield sse_data(answer.partial(text, item.token_ids if i == 0 else ()))
-            if item.finish_reason is not None:
-                yield sse_data(answer.final(item, stream=True))
-                return
-        item = None
+            return []
+        chunks = []
+        cut_before = answer.limits is not None and answer.limits.cut
+        kept = answer.add(item)
+        if not cut_before:
+            # Every event goes through `pieces`, text or not: its tokens' bytes place later cuts.
+            split = self.pieces.split(item.text, item.token_ids) if self.pieces is not None else [item.text]
+            for i, text in enumerate(_clip(split, len(kept))):
+                chunks.append(sse_data(answer.partial(text, item.token_ids if i == 0 else ())))
+        if item.finish_reason is not None:
+            chunks.append(sse_data(answer.final(item, stream=True)))
+        return chunks
+
+    def end(self) -> list[bytes]:
+        return []
+
+    def failure(self, error: APIError) -> list[bytes]:
+        return [sse_error(error)]
+
+    def keepalive(self) -> bytes:
+        return KEEPALIVE
 
 
 def _clip(pieces: list[str], length: int) -> list[str]:

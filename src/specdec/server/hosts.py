@@ -74,9 +74,9 @@ class HostAllowListMiddleware:
             return await self.app(scope, receive, send)
         values = [value for name, value in scope.get("headers") or () if name.lower() == b"host"]
         if len(values) > 1:
-            return await error_response(DUPLICATE_HOST)(scope, receive, send)
+            return await error_response(DUPLICATE_HOST, scope.get("path"))(scope, receive, send)
         if values:  # none: an HTTP/1.0 request, which no browser sends
             name = host_name(values[0].decode("latin-1"))
             if not host_allowed(name, self.allowed):
-                return await error_response(misdirected(name))(scope, receive, send)
+                return await error_response(misdirected(name), scope.get("path"))(scope, receive, send)
         return await self.app(scope, receive, send)

@@ -63,7 +63,7 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         length = content_length(scope.get("headers") or ())
         if length is not None and length > self.max_bytes:
-            return await error_response(body_too_large(self.max_bytes))(scope, receive, send)
+            return await error_response(body_too_large(self.max_bytes), scope.get("path"))(scope, receive, send)
         deadline = self.clock() + self.timeout
         body = {"received": 0, "done": False}
         started = False
@@ -93,7 +93,7 @@ class BodyLimitMiddleware:
         except HTTPAPIError as exc:  # raised above, and not answered by the app (it read the body itself)
             if started:
                 raise
-            await error_response(exc.error)(scope, receive, send)
+            await error_response(exc.error, scope.get("path"))(scope, receive, send)
 
 
 async def off_loop_if_large(function: Callable[[bytes], T], body: bytes) -> T:

@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from specdec.engine.cost_model import CostModel
 from specdec.server.errors import json_response
-from specdec.server.routes import state_of
+from specdec.server.serving import state_of
 
 STATIC_FILES = {  # path -> (file in static/, content type)
     "/": ("index.html", "text/html; charset=utf-8"),

@@ -1,13 +1,16 @@
 """Wire types: the OpenAI request and response bodies, in OpenAI's field order.
 
 Requests refuse what the engine does not do: an OpenAI field that would change the output
-(penalties, ...) is accepted only with its neutral value, and an unknown field is
-refused, so nothing is ever silently ignored. `speculative_decoding`, `top_k`, `min_p` and
+(penalties, ...) is accepted only with its neutral value (else a 400 naming it). A field no type
+here declares is accepted and ignored at every level of a body, as vLLM and llama-server do
+(newer SDKs and frameworks send such fields), and named in the response's
+X-Specdec-Ignored-Fields header (serving.py), so nothing is ignored unseen. `speculative_decoding`, `top_k`, `min_p` and
 `ignore_eos` are extensions, as is `stream_options.speculative` (server/speculative.py).
 Conversion into engine types happens once, in convert.py.
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
@@ -45,8 +48,9 @@ def _unsupported(annotation) -> Any:
 
 
 class _Strict(BaseModel):
-    # strict: a value of the wrong JSON type is refused (as OpenAI does), never coerced ("8" is no integer)
-    model_config = ConfigDict(extra="forbid", strict=True, ser_json_inf_nan="null")
+    # strict: a value of the wrong JSON type is refused (as OpenAI does), never coerced ("8" is no integer);
+    # extra "allow": an unknown field is kept aside (model_extra), ignored and named in a header
+    model_config = ConfigDict(extra="allow", strict=True, ser_json_inf_nan="null")
 
 
 def _whole_number(value):
@@ -82,7 +86,28 @@ TextModality = _neutral(Optional[list[str]], '["text"]', lambda v: v == ["text"]
 ServiceTier = _neutral(Optional[str], '"auto" or "default"', lambda v: v in ("auto", "default"),
                        [{"enum": ["auto", "default"]}])
 NoFunctionCall = _neutral(Union[str, dict[str, Any], None], '"none"', lambda v: v == "none", [{"const": "none"}])
-LogitBias = _neutral(Optional[dict[str, float]], "an empty object", lambda v: not v, [{"type": "object", "maxProperties": 0}])
+MAX_LOGIT_BIAS_ENTRIES = 1024
+_TOKEN_ID_KEY = r"^[0-9]{1,10}$"
+
+
+def _token_id_keys(value):
+    if value is not None and len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    if value is not None and any(not re.match(_TOKEN_ID_KEY, key) for key in value):
+        raise ValueError("keys must be token ids (decimal integers)")
+    return value
+
+
+LogitBias = Annotated[
+    Optional[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]]],
+    AfterValidator(_token_id_keys),
+    WithJsonSchema({"anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+                               "propertyNames": {"pattern": _TOKEN_ID_KEY},
+                               "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+                              {"type": "null"}],
+                    "description": "token id -> bias in [-100, 100], added to the target's logits (-100 bans "
+                                   "the token); speculation stays exact: proposals are verified against the "
+                                   "biased target"})]
 
 
 MAX_CHOICES = 8  # n: each choice takes a slot (or a place in the queue) of its own
@@ -288,18 +313,15 @@ class ChatCompletionRequest(_Request):
 PromptTokens = Annotated[list[integer(ge=0, le=TOKEN_LIMIT)], Field(min_length=1)]
 
 
-def _one_prompt(value):
-    if isinstance(value, list) and len(value) > 1 and isinstance(value[0], (str, list)):
-        raise ValueError("batched prompts are not supported; send one prompt per request")
-    return value
-
+MAX_PROMPTS = 16  # a list of prompts: each with its n choices, all queued together or none
 
 Prompt = Annotated[
     Union[Annotated[str, Field(min_length=1)],
-          Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)],
-          PromptTokens],
-    BeforeValidator(_one_prompt),
-    Field(description="a string, a list holding one string, or a list of token ids"),
+          Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)],
+          PromptTokens,
+          Annotated[list[PromptTokens], Field(min_length=1, max_length=MAX_PROMPTS)]],
+    Field(description=f"a string, a list of token ids, or a list of up to {MAX_PROMPTS} of either "
+                      "(each prompt its own choices)"),
 ]
 
 

@@ -173,21 +173,28 @@ def bearer_token(value: bytes) -> Optional[str]:
     return (token.strip() or None) if scheme.lower() == "bearer" else None
 
 
-DUPLICATE_AUTHORIZATION = APIError(400, "the request has more than one Authorization header; send one.",
+DUPLICATE_AUTHORIZATION = APIError(400, "the request has more than one Authorization (or x-api-key) header; send one.",
                                    "invalid_request_error", None, "duplicate_header")
-INVALID_KEY = APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`.",
+INVALID_KEY = APIError(401, "a valid API key is required: send `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
                        "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
 
 def authenticate(headers: Iterable[tuple[bytes, bytes]], keys: APIKeys) -> tuple[Optional[str], Optional[APIError]]:
     """(tenant, None) for a request with a valid key (tenant None: no keys are configured), or
     (None, the error to answer)."""
+    headers = list(headers)
     values = [value for name, value in headers if name.lower() == b"authorization"]
-    if len(values) > 1:
+    # Anthropic's clients send the key as `x-api-key` (Claude Code, the anthropic SDK).
+    api_keys = [value for name, value in headers if name.lower() == b"x-api-key"]
+    if len(values) > 1 or len(api_keys) > 1:
         return None, DUPLICATE_AUTHORIZATION
     if not keys:
         return None, None
-    tenant = keys.tenant_of(bearer_token(values[0])) if values else None
+    if values:
+        token = bearer_token(values[0])
+    else:
+        token = api_keys[0].decode("latin-1").strip() or None if api_keys else None
+    tenant = keys.tenant_of(token)
     return (tenant, None) if tenant is not None else (None, INVALID_KEY)
 
 
@@ -205,7 +212,7 @@ class AuthMiddleware:
             return await self.app(scope, receive, send)
         tenant, error = authenticate(scope.get("headers") or (), self.keys)
         if error is not None and not (error is INVALID_KEY and scope.get("path") in self.open_paths):
-            return await error_response(error)(scope, receive, send)
+            return await error_response(error, scope.get("path"))(scope, receive, send)
         # A state of this request's own: never one that another request could share.
         scope = {**scope, "state": {**(scope.get("state") or {}), TENANT_STATE: tenant}}
         return await self.app(scope, receive, send)

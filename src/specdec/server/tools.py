@@ -46,8 +46,8 @@ ANSWER_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 # -- wire types ----------------------------------------------------------------------------------
 class _Strict(BaseModel):
-    # as protocol.py's: unknown fields refused, JSON types never coerced
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # as protocol.py's: unknown fields ignored (and named), JSON types never coerced
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 ToolName = Annotated[str, Field(pattern=NAME_PATTERN, description="a-z, A-Z, 0-9, _ and -; at most 64")]
@@ -151,6 +151,13 @@ class ToolSetup:
 def calls_expected(body) -> bool:
     """Whether a chat request's output is read for calls: it has tools and tool_choice is not "none"."""
     return bool(getattr(body, "tools", None)) and getattr(body, "tool_choice", None) != "none"
+
+
+def tool_names(body) -> frozenset[str]:
+    """The names of a chat request's tools when its output is read for calls, else none."""
+    if not calls_expected(body):
+        return frozenset()
+    return frozenset(tool.function.name for tool in body.tools)
 
 
 def calls_finish_reason(finish_reason: str, calls: int) -> str:
@@ -307,7 +314,10 @@ def lark_source(tools: Sequence[dict], choice: str, forced: Optional[str], paral
     else:
         # A text marker ends the free text lazily: at its first `<tool_call>`, the call begins.
         lines += [f"start: TEXT? | calls | lead body {close}{more}", _TEXT, f"lead[lazy]: /(?s:.*){re.escape(OPEN)}/"]
-    lines += [f"calls: call{more}", f"call: {open_} body {close}",
+    # A newline after the last call may still end the turn: the model's newline must not commit it
+    # to another call (with tool_choice "required" it would invent calls until max_tokens).
+    end = ' "\\n"?' if parallel else ""
+    lines += [f"calls: call{more}{end}", f"call: {open_} body {close}",
               'body: "\\n{\\"name\\": " fn "}\\n"',
               "fn: " + " | ".join(f"fn_{i}" for i in range(len(functions)))]
     for i, function in enumerate(functions):
@@ -418,21 +428,81 @@ def _block_end(text: str, start: int) -> int:
     return text.find(CLOSE, start)
 
 
-def parse_output(text: str) -> ParsedOutput:
+# A turn that opens with a bare call: the JSON object alone or in a ```json fence, no <tool_call>
+# tags (small Qwen2.5 models write it so; llama.cpp's Hermes parser takes the same forms).
+_LEAD = re.compile(r"\s*(```(?:json)?[ \t]*\n)?\s*")
+_FENCE_OPENINGS = ("```json\n", "```\n")
+_BARE_HEADER = '{"name":"'
+PENDING = "pending"
+
+
+def lead_call(text: str, names: frozenset[str], final: bool) -> Union[None, str, tuple[str, str, int]]:
+    """Whether `text`, a turn so far, opens with a bare call to one of the tools `names`:
+    (name, arguments as a JSON string, where the call's text ends), PENDING while it still may
+    (not `final`), or None. The object must be {"name": <a declared tool>, "arguments" (or
+    "parameters"): {...}}; any other JSON is the model's text."""
+    if not names:
+        return None
+    stripped = text.lstrip()
+    if not final and (not stripped or any(opening.startswith(stripped) for opening in _FENCE_OPENINGS)):
+        return PENDING  # nothing yet, or a fence still being written
+    lead = _LEAD.match(text)
+    assert lead is not None  # the pattern matches the empty string
+    start = lead.end()
+    if start == len(text):
+        return None if final else PENDING
+    if text[start] != "{":
+        return None
+    scanner = _ArgumentsScanner()
+    scanner.feed(text[start:])
+    if not scanner.done:
+        header = re.sub(r"\s+", "", text[start:start + 64])  # spacing inside the header does not matter
+        could = header.startswith(_BARE_HEADER) or _BARE_HEADER.startswith(header)
+        return PENDING if could and not final else None
+    end = start + scanner.end
+    try:
+        value = json.loads(text[start:end])
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    key = "arguments" if "arguments" in value else "parameters"
+    if set(value) != {"name", key} or not isinstance(value[key], dict):
+        return None
+    parsed = parse_block(text[start:end]) if key == "arguments" else None
+    arguments = parsed[1] if parsed is not None else json.dumps(value[key], ensure_ascii=False)
+    if lead.group(1):  # a fence opened: its closing belongs to the call
+        close = re.compile(r"\s*```").match(text, end)
+        if close is not None:
+            end = close.end()
+        elif not final and "```".startswith(text[end:].strip()[:3]):
+            return PENDING
+    return value["name"], arguments, end
+
+
+def parse_output(text: str, names: frozenset[str] = frozenset()) -> ParsedOutput:
     """The calls in a whole generation, and its text outside them (None where there is none).
     Whitespace next to a call (the newline between two) is no content; a block that is no call
-    (malformed JSON, unterminated) stays in the content as written."""
+    (malformed JSON) stays in the content as written; one never closed (cut by max_tokens) is
+    dropped. With the tools' `names`, a turn that opens with a bare call (lead_call) opens with
+    that call."""
     segments: list[str] = []
     calls: list[ToolCall] = []
     position = 0
     after_call = False
+    lead = lead_call(text, names, final=True)
+    if isinstance(lead, tuple):
+        calls.append(ToolCall(id=new_call_id(), function=FunctionCall(name=lead[0], arguments=lead[1])))
+        position, after_call = lead[2], True
     while True:
         start = text.find(OPEN, position)
         end = _block_end(text, start + len(OPEN)) if start >= 0 else -1
         parsed = parse_block(text[start + len(OPEN):end]) if end >= 0 else None
         if parsed is None:
             if start < 0 or end < 0:
-                segment = text[position:]
+                # A call cut short (max_tokens inside it) is no call and no text: its markup is dropped.
+                segment = text[position:start] if start >= 0 else text[position:]
+                segment = segment.rstrip() if start >= 0 else segment
                 segments.append(segment.lstrip() if after_call else segment)
                 break
             # not a call: it is text, and the search goes on after its marker
@@ -444,9 +514,9 @@ def parse_output(text: str) -> ParsedOutput:
         segments.append((segment.lstrip() if after_call else segment).rstrip())
         calls.append(ToolCall(id=new_call_id(), function=FunctionCall(name=parsed[0], arguments=parsed[1])))
         position, after_call = end + len(CLOSE), True
-    if not calls:
-        return ParsedOutput(text, [])
     content = "".join(segments)
+    if not calls:
+        return ParsedOutput(content if content or not text else None, [])
     return ParsedOutput(content or None, calls)
 
 
@@ -501,7 +571,9 @@ class ToolStreamParser:
     Where a block turns out not to be a call after its name was sent (malformed JSON without a
     grammar, or cut by max_tokens), the streamed call stays as sent: a stream cannot take back."""
 
-    def __init__(self):
+    def __init__(self, names: frozenset[str] = frozenset()):
+        self.names = names  # the tools' names: a turn may open with a bare call (lead_call)
+        self._lead = bool(names)  # the turn's start is still undecided
         self.index = 0  # calls completed or under way
         self._pending = ""  # text not yet sent (state "text") or the block so far (state "block")
         self._in_block = False
@@ -516,6 +588,8 @@ class ToolStreamParser:
     def feed(self, text: str) -> list:
         self._pending += text
         out: list = []
+        if self._lead and not self._take_lead(out, final=False):
+            return out
         while True:
             if self._in_block:
                 if not self._advance_block(out):
@@ -525,11 +599,27 @@ class ToolStreamParser:
                     break
         return out
 
+    def _take_lead(self, out: list, final: bool) -> bool:
+        """Decide the turn's start (a bare call, or not); False while it is still undecided."""
+        lead = lead_call(self._pending, self.names, final)
+        if lead == PENDING:
+            return False
+        self._lead = False
+        if isinstance(lead, tuple):
+            name, arguments, end = lead
+            out.append(ToolCallDelta(index=self.index, id=new_call_id(), type="function",
+                                     function=FunctionCallDelta(name=name, arguments=arguments)))
+            self.index += 1
+            self._pending, self._after_call = self._pending[end:], True
+        return True
+
     def finish(self) -> list:
         out: list = []
+        if self._lead:
+            self._take_lead(out, final=True)
+            out += self.feed("")
         if self._in_block:
-            if self._announced is None:
-                out.append(self._held_space + OPEN + self._pending)
+            pass  # a call cut short: its markup is no content (a call announced stays as sent)
         else:
             text = self._pending.lstrip() if self._after_call else self._pending
             if text:
