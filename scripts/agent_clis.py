@@ -1,9 +1,10 @@
 """Run two real agent CLIs, OpenAI's Codex CLI and Anthropic's Claude Code, against `specdec serve`.
 
-Each CLI gets one small task that needs a tool round trip (write a file, run a command, report
-its output) in a throwaway folder, talking only to the local server: Codex over the Responses API
+Each CLI gets one small task that needs a tool round trip (run a command that writes a file and
+prints it, then report its output) in a throwaway folder, talking only to the local server: Codex over the Responses API
 (`POST /v1/responses`), Claude Code over the Messages API (`POST /v1/messages`). Then the script
-checks the outcome (the CLI exited 0, hello.txt holds the word) and prints, per CLI, pass or fail,
+checks the outcome (the CLI exited 0, hello.txt holds the word, the command ran, the answer
+reports its output) and prints, per CLI, pass or fail,
 the model turns (HTTP requests, from the server's /metrics), the wall time and the time per turn.
 
     .venv/bin/python scripts/agent_clis.py                       # a server already on :8000
@@ -41,8 +42,10 @@ PREFIX = Path.home() / ".cache" / "specdec" / "agent-clis"
 RUNS = Path.home() / ".cache" / "specdec" / "agent-runs"  # not /tmp: Codex refuses helper binaries there
 PINS = {"codex": ("@openai/codex", "0.171.0"), "claude": ("@anthropic-ai/claude-code", "2.1.332")}
 API_PATH = {"codex": "/v1/responses", "claude": "/v1/messages"}
-TASK = ("Create a file named hello.txt containing exactly the word specdec, "
-        "then run `cat hello.txt` and report its output.")
+# One command that writes the file and prints it, then a report of its output: a full tool round
+# trip that a 1.5B model can follow (asked for two calls, it stopped after the first).
+TASK = ("Run this shell command in the working directory: `echo specdec > hello.txt && cat hello.txt`. "
+        "Then reply with exactly what it printed.")
 EXPECTED = "specdec"
 LEAN_INSTRUCTIONS = ("You are a coding agent in a terminal. Use the exec_command tool to run shell "
                      "commands in the working directory. When the task is done, reply with a short summary.\n")
@@ -439,6 +442,8 @@ def run_cli(cli: str, url: str, model: str, api_key: str, timeout: float, lean: 
         failures.append(f"hello.txt holds {content[:40]!r}")
     if not any("cat" in c for c in seen["commands"]):
         failures.append("never ran `cat hello.txt`")
+    if EXPECTED not in seen["answer"]:
+        failures.append("its answer does not report the output")
     server = turns_from_metrics(before, after, cli)
     turns = server["requests"] if server else seen["cli_turns"]
     return {"cli": cli, "version": PINS[cli][1], "passed": not failures, "failures": failures,

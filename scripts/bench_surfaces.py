@@ -121,8 +121,13 @@ def main() -> None:
 
 
 def report(records: list[dict]) -> None:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
+                if ":" in line)
+    info = {key.strip(): value.strip() for key, value in info.items()}
+    flags = set(info.get("flags", "").split())
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    cpu = (f"{info.get('model name', platform.processor())} (family {info.get('cpu family')} model "
+           f"{info.get('model')}, {isa}{', AMX' if 'amx_tile' in flags else ''})")
     print(f"\nCPU: {cpu}; {len(records)} requests")
     by = {(r["prompt"], r["repeat"], r["surface"]): r for r in records}
     for surface in SURFACES:
