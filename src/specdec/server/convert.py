@@ -5,6 +5,8 @@ import dataclasses
 import json
 from typing import Optional, Union
 
+from pydantic import ValidationError
+
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.errors import APIError, bad_request
@@ -15,6 +17,17 @@ from specdec.server.tools import check_tools, marker_tokens, template_message, t
 from specdec.types import GenerationRequest, GrammarSpec, SamplingParams, SpecConfig, SpecdecError
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send temperature 0 for greedy decoding
+
+
+def chat_request_of(fields: dict, param: str) -> ChatCompletionRequest:
+    """The chat completions request another surface's request means (its fields set, None left
+    out); what the chat types refuse is a 400 naming the other surface's `param`."""
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        raise bad_request(f"{param}: {where}: {first.get('msg')}", param) from None
 
 
 def check_model(model: str, config: ServerConfig) -> None:

@@ -30,7 +30,9 @@ from pydantic import Field
 from starlette.responses import Response
 
 from specdec.engine.engine import Engine
-from specdec.server.convert import check_model, check_prompt_size, encode_prompt, generation_request
+from specdec.server.convert import (
+    chat_request_of, check_model, check_prompt_size, encode_prompt, generation_request,
+)
 from specdec.server.errors import APIError, anthropic_error_body, bad_request, json_response
 from specdec.server.protocol import (
     ChatCompletionRequest, MaxTokens, SpeculativeField, Stop, Temperature, TopK, TopP, _Strict,
@@ -38,6 +40,7 @@ from specdec.server.protocol import (
 from specdec.server.serving import (
     Collected, finish_reason_of, ignored_fields, respond, state_of, submit, tenant_of,
 )
+from specdec.server.sse import sse_event
 from specdec.server.tickets import Started
 from specdec.server.tools import calls_finish_reason, tool_names
 from specdec.server.turns import Block, Closed, Grew, Opened, Turn, stop_sequence_of
@@ -225,13 +228,7 @@ def chat_request(body: Union[MessagesRequest, CountTokensRequest]) -> ChatComple
                        "top_k": body.top_k, "seed": body.seed, "stop": body.stop_sequences,
                        "response_format": _response_format(body.output_config),
                        "speculative_decoding": body.speculative_decoding})
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValueError as exc:
-        errors = getattr(exc, "errors", None)
-        first = errors()[0] if callable(errors) else {"msg": str(exc), "loc": ()}
-        where = ".".join(str(part) for part in first.get("loc", ()))
-        raise bad_request(f"messages: {where}: {first.get('msg')}", "messages") from None
+    return chat_request_of(fields, "messages")
 
 
 # -- the answer ----------------------------------------------------------------------------------
@@ -280,11 +277,7 @@ class MessageBuilder:
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self.usage(stats)}
 
 
-def _event(kind: str, payload: dict) -> bytes:
-    return f"event: {kind}\ndata: ".encode() + json.dumps(payload, ensure_ascii=True).encode() + b"\n\n"
-
-
-PING = _event("ping", {"type": "ping"})
+PING = sse_event("ping", {"type": "ping"})
 
 
 class MessagesStream:
@@ -304,7 +297,7 @@ class MessagesStream:
                    "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": self.prompt_tokens, "cache_creation_input_tokens": 0,
                              "cache_read_input_tokens": 0, "output_tokens": 0}}
-        return [_event("message_start", {"type": "message_start", "message": message}), PING]
+        return [sse_event("message_start", {"type": "message_start", "message": message}), PING]
 
     def item(self, index: int, item: Union[Started, StreamEvent]) -> list[bytes]:
         if isinstance(item, Started):
@@ -317,9 +310,9 @@ class MessagesStream:
             out += self._blocks(builder.turn.finish())
             stop_reason, stop_sequence = builder.stop_reason(item, self.text)
             usage = builder.usage(item.stats or {})
-            out.append(_event("message_delta", {"type": "message_delta", "delta": {
+            out.append(sse_event("message_delta", {"type": "message_delta", "delta": {
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage}))
-            out.append(_event("message_stop", {"type": "message_stop"}))
+            out.append(sse_event("message_stop", {"type": "message_stop"}))
         return out
 
     def _blocks(self, events) -> list[bytes]:
@@ -327,22 +320,22 @@ class MessagesStream:
         for event in events:
             block = event.block
             if isinstance(event, Opened):
-                out.append(_event("content_block_start", {"type": "content_block_start", "index": block.index,
+                out.append(sse_event("content_block_start", {"type": "content_block_start", "index": block.index,
                                                           "content_block": self.builder.block(block, done=False)}))
             elif isinstance(event, Grew):
                 delta = ({"type": "text_delta", "text": event.delta} if block.kind == "text"
                          else {"type": "input_json_delta", "partial_json": event.delta})
-                out.append(_event("content_block_delta", {"type": "content_block_delta", "index": block.index,
+                out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": block.index,
                                                           "delta": delta}))
             elif isinstance(event, Closed):
-                out.append(_event("content_block_stop", {"type": "content_block_stop", "index": block.index}))
+                out.append(sse_event("content_block_stop", {"type": "content_block_stop", "index": block.index}))
         return out
 
     def end(self) -> list[bytes]:
         return []
 
     def failure(self, error: APIError) -> list[bytes]:
-        return [_event("error", anthropic_error_body(error))]
+        return [sse_event("error", anthropic_error_body(error))]
 
     def keepalive(self) -> bytes:
         return PING

@@ -39,13 +39,15 @@ from starlette.responses import Response
 
 from specdec.engine.engine import Engine
 from specdec.server.choices import usage_of
-from specdec.server.convert import check_model, check_prompt_size, encode_prompt, generation_request
+from specdec.server.convert import (
+    chat_request_of, check_model, check_prompt_size, encode_prompt, generation_request,
+)
 from specdec.server.errors import APIError, bad_request, json_response
 from specdec.server.protocol import (
     ChatCompletionRequest, MaxTokens, SpeculativeField, Temperature, TopK, TopP, _neutral, _Strict,
 )
 from specdec.server.serving import Collected, finish_reason_of, ignored_fields, respond, state_of, submit, tenant_of
-from specdec.server.sse import KEEPALIVE
+from specdec.server.sse import KEEPALIVE, sse_event
 from specdec.server.tickets import Started
 from specdec.server.tools import calls_finish_reason, tool_names
 from specdec.server.turns import Block, Closed, Grew, Opened, Turn
@@ -324,19 +326,7 @@ def chat_request(body: ResponsesRequest, history: list[dict], offered: Offered, 
         fields["tool_choice"] = choice
     elif choice not in (None, "none", "auto"):
         raise bad_request("tool_choice: no tool this server can run was given.", "tool_choice")
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValueError as exc:
-        raise bad_request(f"input: {_first_error(exc)}", "input") from None
-
-
-def _first_error(exc: Exception) -> str:
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
-        first = errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()))
-        return f"{where}: {first.get('msg')}"
-    return str(exc)
+    return chat_request_of(fields, "input")
 
 
 # -- the answer ----------------------------------------------------------------------------------
@@ -428,7 +418,7 @@ class ResponsesStream:
     def _event(self, kind: str, **fields) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: ".encode() + json.dumps(payload, ensure_ascii=True).encode() + b"\n\n"
+        return sse_event(kind, payload)
 
     def begin(self) -> list[bytes]:
         response = self.builder.response("in_progress")

@@ -28,6 +28,11 @@ def sse_data(payload: Union[BaseModel, dict]) -> bytes:
     return b"data: " + body.encode("utf-8") + b"\n\n"
 
 
+def sse_event(kind: str, payload: dict) -> bytes:
+    """A named event (`event: <kind>`), as the Responses and Messages APIs send them."""
+    return f"event: {kind}\n".encode() + sse_data(payload)
+
+
 def sse_error(error: APIError) -> bytes:
     return sse_data(error_body(error.message, error.type, error.param, error.code))
 
