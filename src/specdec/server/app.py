@@ -70,7 +70,7 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None,
 
     app = FastAPI(title="specdec", version=getattr(specdec, "__version__", "0"), lifespan=lifespan,
                   description="OpenAI-compatible server with lossless speculative decoding.")
-    app.openapi = lambda: openapi_document(app, STREAM_CHUNKS)
+    app.openapi = lambda: openapi_document(app, STREAM_CHUNKS)  # type: ignore[method-assign]  # FastAPI's documented override
     app.state.specdec = ServerState(engine, config, scheduler, metrics, int(time.time()), drain,
                                     metrics_exposition)
     # A server that moves onto a better build (upgrade.py) tokenizes with the new engine from then on.

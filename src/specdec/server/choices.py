@@ -55,7 +55,10 @@ class TextLogprobBuilder:
     def build(self, entries: Sequence[Optional[TokenLogprob]], token_ids: Sequence[int]) -> TextLogprobs:
         """`entries[i]` for `token_ids[i]`; None for a token with no log-probability (the first of
         an echoed prompt)."""
-        tokens, logprobs, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        logprobs: list[Optional[float]] = []
+        tops: list[Optional[dict[str, float]]] = []
+        offsets: list[int] = []
         for token, entry in zip(token_ids, entries):
             text = token_text(self._token_bytes(token))
             tokens.append(text)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Literal, Optional, Sequence, Union, cast
 
 from fastapi import Request
 from starlette.responses import Response
@@ -21,10 +21,10 @@ from specdec.server.convert import (
 from specdec.server.pieces import TokenPieces
 from specdec.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-    ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, StreamOptions, Usage,
+    ChatResponseMessage, CompletionChoice, CompletionRequest, CompletionResponse, StreamOptions, TextLogprobs, Usage,
 )
 from specdec.server.serving import (
-    Collected, finish_reason_of, ignored_fields, respond, state_of, submit, tenant_of,
+    Collected, EndReason, finish_reason_of, ignored_fields, respond, state_of, submit, tenant_of,
 )
 from specdec.server.speculative import HISTORY_SOURCES, SourceAnnotator, wants_rejected
 from specdec.server.sse import DONE, KEEPALIVE, sse_data, sse_error
@@ -34,6 +34,7 @@ from specdec.server.tools import ToolCallDelta, ToolStreamParser, calls_finish_r
 from specdec.types import GenerationRequest, StreamEvent, TokenLogprob
 
 Body = Union[ChatCompletionRequest, CompletionRequest]
+ChatEndReason = Union[EndReason, Literal["tool_calls"]]  # the model called tools
 
 
 async def complete(request: Request, body: Body) -> Response:
@@ -55,8 +56,11 @@ async def complete(request: Request, body: Body) -> Response:
             requests += choice_requests(generation_request(engine, state.config, prompt, ids, tenant), n)
         return requests
 
-    merge = await submit(request, n * len(prompts), prepare,
-                         lambda engine: [check_prompt_size(engine, state.config, prompt) for prompt in prompts])
+    def precheck(engine: Engine) -> None:
+        for prompt in prompts:
+            check_prompt_size(engine, state.config, prompt)
+
+    merge = await submit(request, n * len(prompts), prepare, precheck)
     engine = state.engine
     token_bytes = engine.target.token_bytes
     logprobs = merge.tickets[0].request.logprobs is not None
@@ -83,7 +87,7 @@ class ChatFormat:
         self.tool_names = tool_names  # with tools, the output is read for their calls (tools.py)
         self.tool_calling = bool(tool_names)
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> ChatCompletionResponse:
+    def response(self, text: str, finish_reason: ChatEndReason, usage: Usage) -> ChatCompletionResponse:
         message = ChatResponseMessage(content=text)
         if self.tool_calling:
             parsed = parse_output(text, self.tool_names)
@@ -104,7 +108,7 @@ class ChatFormat:
     def chunk(self, text: str) -> ChatCompletionChunk:
         return self._chunk(ChatDelta(content=text))
 
-    def closing(self, finish_reason: str) -> ChatCompletionChunk:
+    def closing(self, finish_reason: ChatEndReason) -> ChatCompletionChunk:
         return self._chunk(ChatDelta(), finish_reason)
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
@@ -114,7 +118,7 @@ class ChatFormat:
     def logprobs_builder(token_bytes: Callable[[int], bytes]) -> ChatLogprobBuilder:
         return ChatLogprobBuilder(token_bytes)
 
-    def _chunk(self, delta: ChatDelta, finish_reason: Optional[str] = None) -> ChatCompletionChunk:
+    def _chunk(self, delta: ChatDelta, finish_reason: Optional[ChatEndReason] = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                    choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
 
@@ -127,7 +131,7 @@ class TextFormat:
         self.created = int(time.time())
         self.model = model
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> CompletionResponse:
+    def response(self, text: str, finish_reason: EndReason, usage: Usage) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage,
                                   choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
 
@@ -140,7 +144,7 @@ class TextFormat:
     def chunk(self, text: str) -> CompletionResponse:
         return self._chunk(text)
 
-    def closing(self, finish_reason: str) -> CompletionResponse:
+    def closing(self, finish_reason: EndReason) -> CompletionResponse:
         return self._chunk("", finish_reason)
 
     def usage_chunk(self, usage: Usage) -> CompletionResponse:
@@ -150,7 +154,7 @@ class TextFormat:
     def logprobs_builder(token_bytes: Callable[[int], bytes]) -> TextLogprobBuilder:
         return TextLogprobBuilder(token_bytes)
 
-    def _chunk(self, text: str, finish_reason: Optional[str] = None) -> CompletionResponse:
+    def _chunk(self, text: str, finish_reason: Optional[EndReason] = None) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model,
                                   choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
 
@@ -165,13 +169,14 @@ def _echo(engine: Engine, body: Body, prompt_ids: list[int]) -> Optional[tuple[s
     prompt = body.prompt
     if isinstance(prompt, list) and isinstance(prompt[0], int):
         return engine.target.detokenize(prompt_ids), prompt_ids
-    return (prompt[0] if isinstance(prompt, list) else prompt), prompt_ids
+    # cast: text, as prompts_of splits a list of token lists into one prompt each
+    return cast(str, prompt[0] if isinstance(prompt, list) else prompt), prompt_ids
 
 
 def _response(fmt: Format, results: list[Collected], token_bytes: Callable[[int], bytes], logprobs: bool,
               echoes: Sequence[Optional[tuple[str, list[int]]]], n: int) -> dict:
     usage = usage_of_prompts([result.stats for result in results], n)
-    choices = []
+    choices: list = []  # the format's ChatChoice or CompletionChoice
     response = None
     for index, result in enumerate(results):
         echo = echoes[index // n]
@@ -184,7 +189,8 @@ def _response(fmt: Format, results: list[Collected], token_bytes: Callable[[int]
             builder = fmt.logprobs_builder(token_bytes)
             prompt = _echo_logprobs(builder, echo, result.started) if echo is not None else None
             generated = builder.build(result.logprobs, [entry.token_id for entry in result.logprobs])
-            choice.logprobs = generated if prompt is None else joined(prompt, generated)
+            # cast: only a text completion echoes its prompt
+            choice.logprobs = generated if prompt is None else joined(prompt, cast(TextLogprobs, generated))
         choices.append(choice)
     assert response is not None
     response.choices = choices
@@ -250,13 +256,14 @@ class StreamChoice:
                 if text:
                     chunks += self._text_chunks(text)
         if event.finish_reason is not None:
-            finish_reason = finish_reason_of(event)
+            finish_reason: ChatEndReason = finish_reason_of(event)
             if self.tools is not None:
                 chunks += [self._tool_item(item) for item in self.tools.finish()]
                 finish_reason = calls_finish_reason(finish_reason, self.tools.index)
             if self.queue is not None and (rest := self.queue.rest()):
                 chunks.append(self._with_logprobs(self.fmt.chunk(""), rest))  # tokens whose text a stop string cut
-            closing = self.fmt.closing(finish_reason)
+            # cast: "tool_calls" comes only with tools, which only a chat format has
+            closing = self.fmt.closing(cast(EndReason, finish_reason))
             if self.annotator is not None:
                 closing = closing.model_copy(update={"speculative": self.annotator.rest()})
             chunks.append(closing)

@@ -55,6 +55,7 @@ class ServerConfig:
     max_header_bytes: int = 16 * 1024  # request line and headers still arriving (h11's bound; past it: 400)
 
     def validate(self) -> None:
+        value: float  # int settings, then float ones
         for flag, value, low in (("--max-queue", self.max_queue, 0), ("--max-tokens", self.max_tokens, 1),
                                  ("--max-body-bytes", self.max_body_bytes, 1),
                                  ("--max-prompt-bytes", 1 if self.max_prompt_bytes is None else self.max_prompt_bytes, 1),

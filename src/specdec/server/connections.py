@@ -23,7 +23,7 @@ import asyncio
 import functools
 from typing import Optional
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from specdec.server.config import ServerConfig
 
@@ -35,7 +35,7 @@ class HeaderTimeoutProtocol(H11Protocol):
         self.write_timeout = write_timeout
         self._header_timer: Optional[asyncio.TimerHandle] = None
         self._write_timer: Optional[asyncio.TimerHandle] = None
-        self._cycle_seen = None  # the request cycle whose headers have arrived
+        self._cycle_seen: Optional[RequestResponseCycle] = None  # the request cycle whose headers have arrived
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)

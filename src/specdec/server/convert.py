@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 from pydantic import ValidationError
 
@@ -62,7 +62,9 @@ def check_prompt_size(engine: Engine, config: ServerConfig, body: Union[ChatComp
                 raise bad_request(f"prompt: the prompt has {len(prompt)} tokens but the context holds only {n_ctx}.",
                                   param, "context_length_exceeded")
             return
-        size = _utf8_size(prompt[0] if isinstance(prompt, list) else prompt) + _utf8_size(body.suffix or "")
+        # cast: text here, as prompts_of splits a list of token lists into one prompt each
+        text = cast(str, prompt[0] if isinstance(prompt, list) else prompt)
+        size = _utf8_size(text) + _utf8_size(body.suffix or "")
     limit = prompt_byte_limit(n_ctx, config.max_prompt_bytes)
     if size > limit:
         raise bad_request(f"{param}: the prompt is {size} bytes of text; this server takes at most {limit} "
@@ -70,6 +72,7 @@ def check_prompt_size(engine: Engine, config: ServerConfig, body: Union[ChatComp
 
 
 def encode_prompt(engine: Engine, body: Union[ChatCompletionRequest, CompletionRequest]) -> list[int]:
+    source: Union[str, list[dict]]
     if isinstance(body, ChatCompletionRequest):
         param = "messages"
         messages = []
@@ -92,7 +95,8 @@ def encode_prompt(engine: Engine, body: Union[ChatCompletionRequest, CompletionR
                 raise bad_request(f"prompt: token id {bad[0]} is outside the vocabulary of {engine.target.vocab_size}.",
                                   "prompt", "invalid_token_id")
             return encode_fim(engine.target, prompt, body.suffix) if body.suffix else list(prompt)
-        source, chat, tools = (prompt[0] if isinstance(prompt, list) else prompt), False, None
+        # cast: as in check_prompt_size
+        source, chat, tools = cast(str, prompt[0] if isinstance(prompt, list) else prompt), False, None
         if body.suffix:  # fill-in-the-middle: the prompt and the suffix in the model's FIM tokens
             return encode_fim(engine.target, source, body.suffix)
     try:
@@ -212,6 +216,7 @@ def request_grammar(engine: Engine, body: Union[ChatCompletionRequest, Completio
         schema = form.json_schema.json_schema
         text_schema = {"type": "object"} if schema is None else schema
     spec = tool_grammar(setup, marker_tokens(engine.target), text_schema)
+    assert spec is not None  # setup.active: tool calling is on
     try:
         engine.grammars.check(spec)
     except SpecdecError as exc:

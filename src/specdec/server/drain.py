@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import uvicorn
 
@@ -62,7 +62,7 @@ class Drain:
         scheduler = self.scheduler
         if scheduler.idle or scheduler.health().status == "unhealthy":
             self.over = True
-        elif self.clock() >= self.deadline:
+        elif self.clock() >= cast(float, self.deadline):  # cast: poll() follows begin()
             logger.warning("drain grace period over: ending %d running and %d waiting requests",
                            scheduler.num_running, scheduler.num_waiting)
             scheduler.abort_in_flight()
@@ -104,6 +104,8 @@ def make_server(app, host: str, port: int, log_level: str = "info") -> DrainingS
     # The asyncio loop and h11 (connections.py's protocol), explicitly: uvicorn's "auto" would
     # pick uvloop and httptools whenever they are installed (ray[serve] brings both), and the
     # server's behaviour must not depend on which extras are installed.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=FLUSH_SECONDS,
+    # ignore: uvicorn types the timeout as an int, but hands it to asyncio.wait_for, which takes a float
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=FLUSH_SECONDS,  # type: ignore[arg-type]
                             loop="asyncio", **uvicorn_settings(app.state.specdec.config))
     return DrainingServer(app.state.specdec.drain, config)

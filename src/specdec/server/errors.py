@@ -64,7 +64,7 @@ def anthropic_error_body(error: APIError) -> dict:
 
 
 def uses_anthropic_errors(path: Optional[str]) -> bool:
-    return bool(path) and any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
+    return path is not None and any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
 
 
 def shaped_error_body(error: APIError, path: Optional[str] = None) -> dict:

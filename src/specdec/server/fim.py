@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional, Sequence, Union
 
 from pydantic import AfterValidator, Field
 from starlette.requests import Request
@@ -34,7 +34,7 @@ from specdec.server.limits import PROMPT_BYTES_PER_TOKEN
 from specdec.server.protocol import (
     TOKEN_LIMIT, Int, MinP, Seed, SpeculativeField, Stop, Temperature, TopK, TopP, _neutral, _Strict, integer,
 )
-from specdec.server.serving import ServerState, ignored_fields, respond, state_of, submit, tenant_of
+from specdec.server.serving import Collected, ServerState, ignored_fields, respond, state_of, submit, tenant_of
 from specdec.server.sse import KEEPALIVE, sse_data, sse_error
 from specdec.server.tickets import Started, Ticket
 from specdec.types import GenerationRequest, SamplingParams, SpecdecError, StreamEvent
@@ -96,7 +96,7 @@ def fim_tokens(backend: Backend) -> Optional[FimTokens]:
 def _find_fim_tokens(backend: Backend) -> Optional[FimTokens]:
     for spelling in FIM_SPELLINGS:
         prefix, suffix, middle, pad, repository, separator = (_special(backend, text) for text in spelling)
-        if None in (prefix, suffix, middle):
+        if prefix is None or suffix is None or middle is None:
             continue
         leading = backend.tokenize("", add_special=True, parse_special=False)
         ends = frozenset(t for t in (pad, repository, separator) if t is not None)
@@ -159,17 +159,36 @@ def _neutral_number(value: float) -> Any:
 
 AnyNumber = Annotated[Optional[float], Field(allow_inf_nan=False)]  # a parameter of a sampler left off
 # This route's own neutral-only types: the OpenAI routes' may change as they learn to honour more.
-Penalty = _neutral(AnyNumber, "0", lambda v: v == 0, [{"const": 0}])
-ZeroOnly = _neutral(Optional[Int], "0", lambda v: v == 0, [{"const": 0}])
-FalseOnly = _neutral(Optional[bool], "false", lambda v: v is False, [{"const": False}])
-EmptyList = _neutral(Optional[list[Any]], "an empty list", lambda v: not v, [{"type": "array", "maxItems": 0}])
-NotAboveZero = _neutral(AnyNumber, "a value <= 0 (disabled)", lambda v: v <= 0, [{"maximum": 0}])
-AtMostOne = _neutral(Optional[Int], "a value <= 1", lambda v: v <= 1, [{"maximum": 1}])
-EmptyText = _neutral(Optional[str], '""', lambda v: v == "", [{"const": ""}])
-EmptyObject = _neutral(Optional[Union[dict[str, Any], list[Any]]], "an empty object or list", lambda v: not v,
-                       [{"maxProperties": 0}])
-AnySlot = _neutral(Optional[Int], "-1 (any slot)", lambda v: v == -1, [{"const": -1}])
-NPredict = Optional[integer(ge=-1, le=TOKEN_LIMIT)]
+# mypy takes no call as a type: it sees the aliases that integer() and _neutral() build as the values they hold.
+if TYPE_CHECKING:
+    Penalty = Optional[float]
+    ZeroOnly = Optional[int]
+    FalseOnly = Optional[bool]
+    EmptyList = Optional[list[Any]]
+    NotAboveZero = Optional[float]
+    AtMostOne = Optional[int]
+    EmptyText = Optional[str]
+    EmptyObject = Optional[Union[dict[str, Any], list[Any]]]
+    AnySlot = Optional[int]
+    NPredict = Optional[int]
+    NIndent = Optional[int]
+    OneOnlyNumber = Optional[float]
+    ZeroOnlyNumber = Optional[float]
+else:
+    Penalty = _neutral(AnyNumber, "0", lambda v: v == 0, [{"const": 0}])
+    ZeroOnly = _neutral(Optional[Int], "0", lambda v: v == 0, [{"const": 0}])
+    FalseOnly = _neutral(Optional[bool], "false", lambda v: v is False, [{"const": False}])
+    EmptyList = _neutral(Optional[list[Any]], "an empty list", lambda v: not v, [{"type": "array", "maxItems": 0}])
+    NotAboveZero = _neutral(AnyNumber, "a value <= 0 (disabled)", lambda v: v <= 0, [{"maximum": 0}])
+    AtMostOne = _neutral(Optional[Int], "a value <= 1", lambda v: v <= 1, [{"maximum": 1}])
+    EmptyText = _neutral(Optional[str], '""', lambda v: v == "", [{"const": ""}])
+    EmptyObject = _neutral(Optional[Union[dict[str, Any], list[Any]]], "an empty object or list", lambda v: not v,
+                           [{"maxProperties": 0}])
+    AnySlot = _neutral(Optional[Int], "-1 (any slot)", lambda v: v == -1, [{"const": -1}])
+    NPredict = Optional[integer(ge=-1, le=TOKEN_LIMIT)]
+    NIndent = Optional[integer(ge=0, le=TOKEN_LIMIT)]
+    OneOnlyNumber = _neutral_number(1.0)
+    ZeroOnlyNumber = _neutral_number(0.0)
 
 
 class InfillChunk(_Strict):
@@ -191,7 +210,7 @@ class InfillRequest(_Strict):
     model: Optional[str] = None  # llama-server serves one model and reads no name; neither does this route
     n_predict: NPredict = None  # -1: until the context or the server's --max-tokens cap
     max_tokens: NPredict = None  # llama-server's alias of n_predict
-    n_indent: Optional[integer(ge=0, le=TOKEN_LIMIT)] = None
+    n_indent: NIndent = None
     t_max_predict_ms: Optional[Int] = None
     t_max_prompt_ms: Optional[Int] = None
     temperature: Temperature = None
@@ -208,21 +227,21 @@ class InfillRequest(_Strict):
     ignore_eos: Optional[bool] = None
     speculative_decoding: SpeculativeField = None
     # Samplers this server does not run, at the values that switch them off (llama-server's defaults).
-    repeat_penalty: _neutral_number(1.0) = None
+    repeat_penalty: OneOnlyNumber = None
     repeat_last_n: Optional[Int] = None
     penalty_last_n: Optional[Int] = None  # llama.vim's name for repeat_last_n
     penalize_nl: Optional[bool] = None
     frequency_penalty: Penalty = None
     presence_penalty: Penalty = None
-    typical_p: _neutral_number(1.0) = None
-    dynatemp_range: _neutral_number(0.0) = None
+    typical_p: OneOnlyNumber = None
+    dynatemp_range: ZeroOnlyNumber = None
     dynatemp_exponent: AnyNumber = None
     mirostat: ZeroOnly = None
     mirostat_tau: AnyNumber = None
     mirostat_eta: AnyNumber = None
-    xtc_probability: _neutral_number(0.0) = None
+    xtc_probability: ZeroOnlyNumber = None
     xtc_threshold: AnyNumber = None
-    dry_multiplier: _neutral_number(0.0) = None
+    dry_multiplier: ZeroOnlyNumber = None
     dry_base: AnyNumber = None
     dry_allowed_length: Optional[Int] = None
     dry_penalty_last_n: Optional[Int] = None
@@ -293,7 +312,8 @@ def encode_infill(backend: Backend, body: InfillRequest, n_predict: int) -> list
     extra: list[int] = []
     if fim.repository is not None:
         extra += [fim.repository, *fim.plain(backend, REPOSITORY_NAME + "\n")]
-    chunks, size = [], 0
+    chunks: list[InfillChunk] = []
+    size = 0
     for chunk in reversed(body.input_extra):  # the newest chunks last; the oldest are cut first
         chunks.insert(0, chunk)
         size += len(chunk.text) + len(chunk.filename)
@@ -448,6 +468,7 @@ class _Answer:
         """The text of `event` the answer keeps; cancels the generation once a limit cuts it."""
         if self.limits is None:
             self.start()
+        assert self.limits is not None  # start() sets it
         was_cut = self.limits.cut
         kept = self.limits.feed(event.text)
         if not was_cut:
@@ -507,9 +528,14 @@ async def infill_response(request: Request, body: InfillRequest) -> Response:
 
     merge = await submit(request, 1, prepare)
     answer = _Answer(state, body, settings, merge.tickets[0])
+
+    def whole(results: list[Collected]) -> dict:
+        final = results[0].final
+        assert final is not None  # collect() returns each choice once its final event came
+        return answer.final(final, stream=False)
+
     return await respond(request, merge, stream=bool(body.stream), writer=lambda: InfillStream(answer),
-                         whole=lambda results: answer.final(results[0].final, stream=False),
-                         observe=answer.observe, ignored=ignored_fields(body))
+                         whole=whole, observe=answer.observe, ignored=ignored_fields(body))
 
 
 class InfillStream:

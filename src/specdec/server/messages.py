@@ -293,10 +293,10 @@ class MessagesStream:
 
     def begin(self) -> list[bytes]:
         builder = self.builder
-        message = {"id": builder.id, "type": "message", "role": "assistant", "model": builder.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": self.prompt_tokens, "cache_creation_input_tokens": 0,
-                             "cache_read_input_tokens": 0, "output_tokens": 0}}
+        message: dict[str, Any] = {"id": builder.id, "type": "message", "role": "assistant", "model": builder.model,
+                                   "content": [], "stop_reason": None, "stop_sequence": None,
+                                   "usage": {"input_tokens": self.prompt_tokens, "cache_creation_input_tokens": 0,
+                                             "cache_read_input_tokens": 0, "output_tokens": 0}}
         return [sse_event("message_start", {"type": "message_start", "message": message}), PING]
 
     def item(self, index: int, item: Union[Started, StreamEvent]) -> list[bytes]:

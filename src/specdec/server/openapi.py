@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
@@ -23,7 +25,7 @@ RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying",
 def error_responses() -> dict:
     """Every error status a request may get, each with the OpenAI error body (a 429 always says
     when to retry)."""
-    responses = {status: {"model": ErrorResponse} for status in ERROR_STATUSES}
+    responses: dict[int, dict[str, Any]] = {status: {"model": ErrorResponse} for status in ERROR_STATUSES}
     responses[429]["headers"] = RETRY_AFTER
     return responses
 

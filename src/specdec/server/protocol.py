@@ -11,9 +11,10 @@ Conversion into engine types happens once, in convert.py.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic.config import JsonDict, JsonValue
 
 from specdec.server.errors import register_field_names
 from specdec.server.tools import (
@@ -63,29 +64,44 @@ def integer(**bounds) -> Any:
     return Annotated[int, Field(**bounds), BeforeValidator(_whole_number)]
 
 
-Int = integer()
-Penalty = _neutral(Annotated[Optional[float], Field(allow_inf_nan=False)], "0", lambda v: v == 0, [{"const": 0}])
+# mypy takes no call as a type: it sees the aliases that integer() and _neutral() build as the values they hold.
+if TYPE_CHECKING:
+    Int = int
+    Penalty = Optional[float]
+    TopK = Optional[int]
+    MaxTokens = Optional[int]
+    FalseOnly = Optional[bool]
+    EmptyList = Optional[list[dict[str, Any]]]
+    ZeroOnly = Optional[int]
+    NullOnly = Optional[Any]
+    TextFormat = Optional[dict[str, Any]]
+    TextModality = Optional[list[str]]
+    ServiceTier = Optional[str]
+    NoFunctionCall = Union[str, dict[str, Any], None]
+else:
+    Int = integer()
+    Penalty = _neutral(Annotated[Optional[float], Field(allow_inf_nan=False)], "0", lambda v: v == 0, [{"const": 0}])
+    TopK = Annotated[Optional[integer(ge=-1, le=TOKEN_LIMIT)], Field(description="0 or -1 disables it")]
+    MaxTokens = Optional[integer(ge=1, le=TOKEN_LIMIT)]
+    FalseOnly = _neutral(Optional[bool], "false", lambda v: v is False, [{"const": False}])
+    EmptyList = _neutral(Optional[list[dict[str, Any]]], "an empty list", lambda v: not v, [{"type": "array", "maxItems": 0}])
+    ZeroOnly = _neutral(Optional[Int], "0", lambda v: v == 0, [{"const": 0}])
+    NullOnly = _unsupported(Optional[Any])
+    TextFormat = _neutral(Optional[dict[str, Any]], '{"type": "text"}', lambda v: v == {"type": "text"}, [{
+        "type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"], "additionalProperties": False}])
+    TextModality = _neutral(Optional[list[str]], '["text"]', lambda v: v == ["text"],
+                            [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}])
+    ServiceTier = _neutral(Optional[str], '"auto" or "default"', lambda v: v in ("auto", "default"),
+                           [{"enum": ["auto", "default"]}])
+    NoFunctionCall = _neutral(Union[str, dict[str, Any], None], '"none"', lambda v: v == "none", [{"const": "none"}])
 Temperature = Annotated[Optional[float], Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[Optional[float], Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 MinP = Annotated[Optional[float], Field(ge=0.0, le=1.0, allow_inf_nan=False)]
-TopK = Annotated[Optional[integer(ge=-1, le=TOKEN_LIMIT)], Field(description="0 or -1 disables it")]
 # Any integer, taken modulo 2**64: a bound near 2**64 would not survive JSON Schema validators that
 # compare in floating point (schemathesis sent 2**64 + 383 as valid).
 Seed = Annotated[Optional[Int], Field(description="any integer (taken modulo 2**64)")]
-MaxTokens = Optional[integer(ge=1, le=TOKEN_LIMIT)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
 Stop = Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)], None]
-FalseOnly = _neutral(Optional[bool], "false", lambda v: v is False, [{"const": False}])
-EmptyList = _neutral(Optional[list[dict[str, Any]]], "an empty list", lambda v: not v, [{"type": "array", "maxItems": 0}])
-ZeroOnly = _neutral(Optional[Int], "0", lambda v: v == 0, [{"const": 0}])
-NullOnly = _unsupported(Optional[Any])
-TextFormat = _neutral(Optional[dict[str, Any]], '{"type": "text"}', lambda v: v == {"type": "text"}, [{
-    "type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"], "additionalProperties": False}])
-TextModality = _neutral(Optional[list[str]], '["text"]', lambda v: v == ["text"],
-                        [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}])
-ServiceTier = _neutral(Optional[str], '"auto" or "default"', lambda v: v in ("auto", "default"),
-                       [{"enum": ["auto", "default"]}])
-NoFunctionCall = _neutral(Union[str, dict[str, Any], None], '"none"', lambda v: v == "none", [{"const": "none"}])
 MAX_LOGIT_BIAS_ENTRIES = 1024
 _TOKEN_ID_KEY = r"^[0-9]{1,10}$"
 
@@ -112,16 +128,21 @@ LogitBias = Annotated[
 
 MAX_CHOICES = 8  # n: each choice takes a slot (or a place in the queue) of its own
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat; its legacy completions stop at 5, this server at 20
-N = Annotated[Optional[integer(ge=1, le=MAX_CHOICES)],
-              Field(description=f"how many choices to generate (1 to {MAX_CHOICES}), each as a request of its own")]
-TopLogprobs = Annotated[Optional[integer(ge=0, le=MAX_TOP_LOGPROBS)],
-                        Field(description="how many most likely tokens to list at each position (needs logprobs: true)")]
-CompletionLogprobs = Annotated[Optional[integer(ge=0, le=MAX_TOP_LOGPROBS)], Field(
-    description="log-probabilities of the chosen tokens and this many most likely tokens at each position")]
+if TYPE_CHECKING:  # as above: integer() builds them
+    N = Optional[int]
+    TopLogprobs = Optional[int]
+    CompletionLogprobs = Optional[int]
+else:
+    N = Annotated[Optional[integer(ge=1, le=MAX_CHOICES)],
+                  Field(description=f"how many choices to generate (1 to {MAX_CHOICES}), each as a request of its own")]
+    TopLogprobs = Annotated[Optional[integer(ge=0, le=MAX_TOP_LOGPROBS)], Field(
+        description="how many most likely tokens to list at each position (needs logprobs: true)")]
+    CompletionLogprobs = Annotated[Optional[integer(ge=0, le=MAX_TOP_LOGPROBS)], Field(
+        description="log-probabilities of the chosen tokens and this many most likely tokens at each position")]
 
 
 class StreamSpeculative(_Strict):
-    rejected: Optional[bool] = Field(None, description="also the text of each round's rejected proposal")
+    rejected: Optional[bool] = Field(default=None, description="also the text of each round's rejected proposal")
 
 
 class TextResponseFormat(_Strict):
@@ -141,7 +162,7 @@ class JSONSchemaSpec(_Strict):
     model_config = ConfigDict(populate_by_name=True)
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]+$", min_length=1, max_length=MAX_SCHEMA_NAME)]
     description: Optional[str] = None
-    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
     strict: Optional[bool] = None
 
 
@@ -160,14 +181,20 @@ class StreamOptions(_Strict):
     include_usage: Optional[bool] = None
     # Extension: every chunk names who produced its tokens (docs/server.md, "Token sources").
     speculative: Union[bool, StreamSpeculative, None] = Field(
-        None, description="specdec extension: true (or {rejected: true}) adds a `speculative` object to every chunk")
+        default=None, description="specdec extension: true (or {rejected: true}) adds a `speculative` object to every chunk")
+
+
+if TYPE_CHECKING:  # as above: integer() builds it
+    SpeculativeTokens = Optional[int]
+else:
+    SpeculativeTokens = Optional[integer(ge=0, le=32)]
 
 
 class SpeculativeDecoding(_Strict):
     """Per-request speculation: `auto` is the engine's adaptive choice; no method means the server's."""
 
     method: Optional[Literal["draft", "ngram", "off", "auto"]] = None
-    num_speculative_tokens: Optional[integer(ge=0, le=32)] = None
+    num_speculative_tokens: SpeculativeTokens = None
 
 
 SpeculativeField = Annotated[
@@ -177,7 +204,7 @@ SpeculativeField = Annotated[
 
 
 # `stream_options` only with `stream: true`, in the schema as in the validator below.
-_STREAM_OPTIONS_NEED_STREAM = {
+_STREAM_OPTIONS_NEED_STREAM: JsonDict = {
     "if": {"not": {"required": ["stream"], "properties": {"stream": {"const": True}}}},
     "then": {"properties": {"stream_options": {"type": "null"}}},
 }
@@ -200,15 +227,15 @@ class TextContentPart(_Strict):
     text: str
 
 
-def _when_role(roles: list, then: dict, otherwise: Optional[dict] = None) -> dict:
-    rule = {"if": {"properties": {"role": {"enum": roles}}}, "then": then}
+def _when_role(roles: list[JsonValue], then: JsonDict, otherwise: Optional[JsonDict] = None) -> JsonDict:
+    rule: JsonDict = {"if": {"properties": {"role": {"enum": roles}}}, "then": then}
     return {**rule, "else": otherwise} if otherwise is not None else rule
 
 
-_PRESENT = {"not": {"type": "null"}}
+_PRESENT: JsonDict = {"not": {"type": "null"}}
 # Which fields a role takes, in the schema as in tools.check_tools: content (null only in an
 # assistant message with tool_calls), tool_call_id (tool messages only), tool_calls (assistant only).
-_MESSAGE_ROLES = {"allOf": [
+_MESSAGE_ROLES: JsonDict = {"allOf": [
     _when_role(["assistant"], {"anyOf": [{"required": ["content"], "properties": {"content": _PRESENT}},
                                          {"required": ["tool_calls"], "properties": {"tool_calls": {
                                              "type": "array", "minItems": 1}}}]},
@@ -226,7 +253,7 @@ class ChatMessage(_Strict):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextContentPart], None] = Field(
-        None, validate_default=True, description="required, except in an assistant message with tool_calls")
+        default=None, validate_default=True, description="required, except in an assistant message with tool_calls")
     name: Optional[str] = None
     tool_calls: Optional[list[MessageToolCall]] = None
     tool_call_id: Optional[str] = None
@@ -246,14 +273,14 @@ class ChatMessage(_Strict):
 
 
 # tool_choice "required" or naming a function only with tools, in the schema as in tools.check_tools.
-_TOOL_CHOICE_NEEDS_TOOLS = {
+_TOOL_CHOICE_NEEDS_TOOLS: JsonDict = {
     "if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": ["none", "auto", None]}}}},
     "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
 }
 
 
 # top_logprobs > 0 only with `logprobs: true`, in the schema as in the validator below.
-_TOP_LOGPROBS_NEED_LOGPROBS = {
+_TOP_LOGPROBS_NEED_LOGPROBS: JsonDict = {
     "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
 }
@@ -310,7 +337,10 @@ class ChatCompletionRequest(_Request):
 
 
 # -- completions ---------------------------------------------------------------------------------
-PromptTokens = Annotated[list[integer(ge=0, le=TOKEN_LIMIT)], Field(min_length=1)]
+if TYPE_CHECKING:  # as above: integer() builds it
+    PromptTokens = list[int]
+else:
+    PromptTokens = Annotated[list[integer(ge=0, le=TOKEN_LIMIT)], Field(min_length=1)]
 
 
 MAX_PROMPTS = 16  # a list of prompts: each with its n choices, all queued together or none
@@ -325,10 +355,16 @@ Prompt = Annotated[
 ]
 
 
+if TYPE_CHECKING:  # as above: _neutral() builds it
+    BestOf = Optional[int]
+else:
+    BestOf = _neutral(Optional[Int], "1", lambda v: v == 1, [{"const": 1}])
+
+
 class CompletionRequest(_Request):
     model: str
     prompt: Prompt
-    best_of: _neutral(Optional[Int], "1", lambda v: v == 1, [{"const": 1}]) = None
+    best_of: BestOf = None
     echo: Annotated[Optional[bool], Field(description="return the prompt before the completion")] = None
     frequency_penalty: Penalty = None
     logit_bias: LogitBias = None
@@ -365,7 +401,7 @@ class Usage(BaseModel):
     total_tokens: int
     prompt_tokens_details: Optional[PromptTokensDetails] = None
     speculative: Optional[dict[str, Any]] = Field(
-        None, description="the engine's speculative decoding statistics for this request (specdec extension)")
+        default=None, description="the engine's speculative decoding statistics for this request (specdec extension)")
 
 
 FinishReason = Optional[Literal["stop", "length"]]
@@ -375,7 +411,7 @@ ChatFinishReason = Optional[Literal["stop", "length", "tool_calls"]]  # tool_cal
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = Field(None, exclude_if=lambda value: value is None)
+    tool_calls: Optional[list[ToolCall]] = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class TopLogprob(BaseModel):
@@ -415,7 +451,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
-    tool_calls: Optional[list[ToolCallDelta]] = Field(None, exclude_if=lambda value: value is None)
+    tool_calls: Optional[list[ToolCallDelta]] = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ChatChunkChoice(BaseModel):
@@ -430,7 +466,7 @@ class SpeculativeRound(BaseModel):
                                     'or "none": the target decoded one token alone')
     proposed: int
     accepted: int
-    rejected: Optional[str] = Field(None, exclude_if=lambda value: value is None,
+    rejected: Optional[str] = Field(default=None, exclude_if=lambda value: value is None,
                                     description="the rejected proposal's text, when asked (stream_options)")
 
 

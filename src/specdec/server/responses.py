@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from fastapi import Request
 from pydantic import Field
@@ -59,6 +59,14 @@ BUILT_IN_TOOLS = frozenset({"web_search", "web_search_preview", "web_search_2025
                             "local_shell", "shell", "apply_patch"})
 MAX_STORED_PER_TENANT = 256
 MAX_STORED_TOTAL = 2048
+
+
+if TYPE_CHECKING:  # mypy takes no call as a type (as in protocol.py): the values these hold
+    _Background = Optional[bool]
+    _Conversation = Optional[Any]
+else:
+    _Background = _neutral(Optional[bool], "false", lambda v: v is False, [{"const": False}])
+    _Conversation = _neutral(Optional[Any], "null", lambda v: False, [])
 
 
 class TextOptions(_Strict):
@@ -91,8 +99,8 @@ class ResponsesRequest(_Strict):
     user: Optional[str] = None
     service_tier: Optional[str] = None
     truncation: Optional[Literal["disabled", "auto"]] = None
-    background: _neutral(Optional[bool], "false", lambda v: v is False, [{"const": False}]) = None
-    conversation: _neutral(Optional[Any], "null", lambda v: False, []) = None
+    background: _Background = None
+    conversation: _Conversation = None
     stream_options: Optional[dict[str, Any]] = None
     # Extensions, as on chat completions.
     top_k: TopK = None
@@ -143,7 +151,7 @@ def not_found(response_id: str) -> APIError:
 class Offered:
     """The tools the model is offered, and how a call's name maps back to the client's tool."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.tools: list[dict] = []  # chat completions' tool definitions
         self.origin: dict[str, tuple[str, Optional[str], str]] = {}  # offered name -> (kind, namespace, name)
 

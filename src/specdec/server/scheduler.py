@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, cast
 
 from specdec.engine import core
 from specdec.engine.engine import Engine
@@ -35,6 +35,9 @@ from specdec.server.tickets import (
 )
 from specdec.server.watchdog import WORKER_DIED, Watchdog
 from specdec.types import GenerationRequest, StreamEvent
+
+if TYPE_CHECKING:
+    from specdec.server.upgrade import BuildWatcher
 
 logger = logging.getLogger("specdec.server")
 
@@ -71,11 +74,11 @@ class Scheduler:
         self._stalled: Optional[str] = None  # why the backend is deemed stuck; None while it answers
         self._busy: Optional[tuple[float, str]] = None  # (since, stage) while the worker is in an iteration
         self._thread: Optional[threading.Thread] = None
-        self._watchdog = None
+        self._watchdog: Optional[Watchdog] = None
         # A better build of the backend to move to at the next idle moment (upgrade.py), and the
         # engines left behind, closed once nothing can still be using them (a tokenizer call).
         self._switch: Optional[Callable[[], Engine]] = None
-        self._build_watcher = None
+        self._build_watcher: Optional[BuildWatcher] = None
         self._retired: list[tuple[float, Engine]] = []
         self.engine_listeners: list[Callable[[Engine], None]] = []  # told of the engine switched to
 
@@ -250,7 +253,8 @@ class Scheduler:
         """Remove from the queue, and return, the tickets for which `leaves` holds (one pass: a
         ticket's flags may change meanwhile)."""
         with self._cond:
-            taken, kept = [], deque()
+            taken: list[Ticket] = []
+            kept: deque[Ticket] = deque()
             for ticket in self._waiting:
                 (taken if leaves(ticket) else kept).append(ticket)
             self._waiting = kept
@@ -381,7 +385,7 @@ class Scheduler:
     def _finish_reason(run: _Running, event: StreamEvent) -> str:
         """The metrics' name for how a generation ended: stop, length, timeout, abort or error."""
         if event.finish_reason != "cancelled":
-            return event.finish_reason
+            return cast(str, event.finish_reason)  # cast: a final event's (the caller checks)
         if run.ticket.failed is not None:
             return "error"  # a stall, or the drain's grace period: the client got an error
         return "timeout" if run.ticket.timed_out else "abort"

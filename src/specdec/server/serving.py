@@ -13,7 +13,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 from urllib.parse import quote
-from typing import AsyncIterator, Awaitable, Callable, Optional, Protocol, Sequence, Union
+from typing import AsyncIterator, Awaitable, Callable, Literal, Optional, Protocol, Sequence, Union, cast
 
 import anyio
 import anyio.to_thread
@@ -279,6 +279,10 @@ async def _stream(merge: TicketMerge, writer: StreamWriter, keepalive: float,
         yield chunk
 
 
-def finish_reason_of(event: StreamEvent) -> str:
+EndReason = Literal["stop", "length"]  # a finished choice's finish_reason, as clients see it
+
+
+def finish_reason_of(event: StreamEvent) -> EndReason:
     # "cancelled" reaches a client only when the server's time limit cut the generation.
-    return "length" if event.finish_reason == "cancelled" else event.finish_reason
+    # cast: a final event's finish_reason is the engine's "stop", "length" or "cancelled"
+    return "length" if event.finish_reason == "cancelled" else cast(EndReason, event.finish_reason)

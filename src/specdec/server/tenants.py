@@ -29,7 +29,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 from specdec.server.errors import APIError, error_response
 from specdec.types import SpecdecError
@@ -110,7 +110,7 @@ def read_keys_file(path: str) -> list[tuple[str, str]]:
 
 
 def configured_keys(api_key: Optional[str] = None, keys_file: Optional[str] = None,
-                    environ: Optional[dict] = None) -> tuple[Optional[str], tuple[tuple[str, str], ...]]:
+                    environ: Optional[Mapping[str, str]] = None) -> tuple[Optional[str], tuple[tuple[str, str], ...]]:
     """(the one key, the (key, tenant) pairs): `api_key` (else $SPECDEC_API_KEY), of the tenant
     "default"; the keys file (else $SPECDEC_API_KEYS_FILE) and $SPECDEC_API_KEYS. A key given
     twice is an error."""

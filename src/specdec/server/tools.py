@@ -24,7 +24,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Annotated, Any, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Iterable, Literal, Optional, Sequence, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
@@ -114,8 +114,8 @@ def _unset(value) -> bool:
 
 
 class FunctionCallDelta(BaseModel):
-    name: Optional[str] = Field(None, exclude_if=_unset)
-    arguments: Optional[str] = Field(None, exclude_if=_unset)
+    name: Optional[str] = Field(default=None, exclude_if=_unset)
+    arguments: Optional[str] = Field(default=None, exclude_if=_unset)
 
 
 class ToolCallDelta(BaseModel):
@@ -123,9 +123,9 @@ class ToolCallDelta(BaseModel):
     ones carry only index and a piece of function.arguments, as OpenAI streams them."""
 
     index: int
-    id: Optional[str] = Field(None, exclude_if=_unset)
-    type: Optional[Literal["function"]] = Field(None, exclude_if=_unset)
-    function: Optional[FunctionCallDelta] = Field(None, exclude_if=_unset)
+    id: Optional[str] = Field(default=None, exclude_if=_unset)
+    type: Optional[Literal["function"]] = Field(default=None, exclude_if=_unset)
+    function: Optional[FunctionCallDelta] = Field(default=None, exclude_if=_unset)
 
 
 # -- the request ---------------------------------------------------------------------------------
@@ -160,7 +160,10 @@ def tool_names(body) -> frozenset[str]:
     return frozenset(tool.function.name for tool in body.tools)
 
 
-def calls_finish_reason(finish_reason: str, calls: int) -> str:
+_Reason = TypeVar("_Reason", bound=str)
+
+
+def calls_finish_reason(finish_reason: _Reason, calls: int) -> Union[_Reason, Literal["tool_calls"]]:
     """OpenAI's "tool_calls" where the model ended its turn with calls; "length" stays "length"."""
     return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
@@ -171,7 +174,7 @@ def _depth(value: Any) -> int:
     while stack:
         item, depth = stack.pop()
         if isinstance(item, dict):
-            children = item.values()
+            children: Iterable[Any] = item.values()
         elif isinstance(item, list):
             children = item
         else:
@@ -211,7 +214,7 @@ def check_tools(body) -> ToolSetup:
             raise bad_request(f"tools[{i}].function.name: a second tool named {function.name!r}.",
                               f"tools[{i}].function.name", INVALID_TOOLS)
         seen.add(function.name)
-        definition = {"name": function.name}
+        definition: dict[str, Any] = {"name": function.name}
         if function.description is not None:
             definition["description"] = function.description
         definition["parameters"] = _parameters(function, f"tools[{i}].function.parameters")
@@ -369,6 +372,7 @@ def marker_tokens(backend) -> Optional[tuple[int, int]]:
         if len(tokens) != 1 or backend.token_bytes(tokens[0]) != marker.encode():
             ids = None
             break
+        assert ids is not None  # None only on the way out of the loop
         ids.append(tokens[0])
     _MARKERS[backend] = tuple(ids) if ids else None
     return _MARKERS[backend]

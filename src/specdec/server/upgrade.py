@@ -87,6 +87,7 @@ def upgraded_engine(engine: Engine, library: Path) -> Engine:
 
     os.environ[LIBRARY_ENV] = str(library)  # from now on this process opens that build
     models = engine.model_config
+    assert models is not None  # a provisional engine (watch_for_build), which runtime.load_engine loaded
     if models.backend_by_rule:
         models = models.with_backend(replace(models.backend, repacked=True))
     new = load_engine(models, n_slots=len(engine.slots), engine=engine.config)
