@@ -13,7 +13,7 @@ from specdec.server.errors import APIError, bad_request
 from specdec.server.fim import encode_fim, fim_stop_tokens
 from specdec.server.limits import prompt_byte_limit
 from specdec.server.protocol import ChatCompletionRequest, CompletionRequest, SpeculativeDecoding
-from specdec.server.tools import check_tools, marker_tokens, template_message, tool_grammar
+from specdec.server.tools import check_tools, marker_tokens, template_messages, tool_grammar
 from specdec.types import GenerationRequest, GrammarSpec, SamplingParams, SpecConfig, SpecdecError
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send temperature 0 for greedy decoding
@@ -75,15 +75,8 @@ def encode_prompt(engine: Engine, body: Union[ChatCompletionRequest, CompletionR
     source: Union[str, list[dict]]
     if isinstance(body, ChatCompletionRequest):
         param = "messages"
-        messages = []
         setup = check_tools(body)
-        for message in body.messages:
-            role = "system" if message.role == "developer" else message.role
-            rendered = template_message(message, role, message.text())
-            if message.name is not None:
-                rendered["name"] = message.name  # the model's chat template decides what it means
-            messages.append(rendered)
-        source, chat, tools = messages, True, setup.template_tools
+        source, chat, tools = template_messages(body.messages), True, setup.template_tools
     else:
         param = "prompt"
         prompt = body.prompt

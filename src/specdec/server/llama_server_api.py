@@ -36,7 +36,8 @@ from specdec.server.convert import DEFAULT_TEMPERATURE
 from specdec.server.errors import APIError, bad_request, json_response, register_field_names
 from specdec.server.limits import OffLoopJSONRoute, prompt_byte_limit
 from specdec.server.protocol import ChatMessage, Int
-from specdec.server.tools import ToolChoice, Tools, check_tools, template_message
+from specdec.server.serving import state_of
+from specdec.server.tools import ToolChoice, Tools, check_tools, template_messages
 from specdec.types import SpecdecError
 
 T = TypeVar("T")
@@ -77,14 +78,10 @@ register_field_names([*TokenizeRequest.model_fields, *DetokenizeRequest.model_fi
                       *ApplyTemplateRequest.model_fields])
 
 
-def _state(request: Request):
-    return request.app.state.specdec  # routes.py's ServerState
-
-
 # -- the routes ----------------------------------------------------------------------------------
 @router.post("/tokenize", include_in_schema=False)
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-    state = _state(request)
+    state = state_of(request)
     backend = state.engine.target
     if body.content is None:
         return json_response({"tokens": []})
@@ -98,7 +95,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 
 @router.post("/detokenize", include_in_schema=False)
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
-    state = _state(request)
+    state = state_of(request)
     backend = state.engine.target
     ids = body.tokens or []
     check_token_ids(backend, [(f"tokens[{i}]", t) for i, t in enumerate(ids)])
@@ -107,18 +104,18 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
 
 @router.post("/apply-template", include_in_schema=False)
 async def apply_template(body: ApplyTemplateRequest, request: Request) -> Response:
-    state = _state(request)
+    state = state_of(request)
     engine = state.engine
     setup = check_tools(body)  # roles' fields, tools and tool_choice: a 400 naming the field
     check_chat_size(engine.target, state.config, body, setup.tools if setup.active else ())
-    messages = template_messages(body)
+    messages = template_messages(body.messages)
     prompt = await off_loop(state.config, render, engine, messages, setup.template_tools)
     return json_response({"prompt": prompt})
 
 
 @router.get("/props", include_in_schema=False)
 async def get_props(request: Request) -> Response:
-    return json_response(props(_state(request)))
+    return json_response(props(state_of(request)))
 
 
 # -- the work ------------------------------------------------------------------------------------
@@ -158,19 +155,6 @@ def tokenize_content(backend: Backend, parts: Sequence[Union[str, int]], add_spe
 
 def detokenize_ids(backend: Backend, ids: Sequence[int]) -> str:
     return b"".join(token_text(backend, token) for token in ids).decode("utf-8", errors="replace")
-
-
-def template_messages(body: ApplyTemplateRequest) -> list[dict]:
-    """The messages as the chat template gets them, as the chat route gives them to it
-    (convert.encode_prompt): `developer` as `system`, tool calls' arguments as their JSON values."""
-    messages = []
-    for message in body.messages:
-        role = "system" if message.role == "developer" else message.role
-        rendered = template_message(message, role, message.text())
-        if message.name is not None:
-            rendered["name"] = message.name
-        messages.append(rendered)
-    return messages
 
 
 def render(engine, messages: list[dict], tools: Optional[list[dict]]) -> str:

@@ -2,7 +2,7 @@
 proposed (`stream_options: {"speculative": true}`; docs/server.md, "Token sources").
 
 A chunk names the sources of the tokens whose text ends in it, so the playground can colour its
-text; the text is cut one piece per token (routes.TokenPieces) whatever the server's chunking.
+text; the text is cut one piece per token (pieces.TokenPieces) whatever the server's chunking.
 Over a stream the sources hold exactly one entry per completion token: those of tokens whose text
 was never sent (a stop string cut it) go on the finish_reason chunk. A round's entry goes on the
 chunk that holds its last token (the target's own, which took the place of the first rejected

@@ -264,6 +264,19 @@ def _arguments_value(arguments: str) -> Any:
     return arguments if _depth(value) > 2 * MAX_SCHEMA_DEPTH else value
 
 
+def template_messages(messages) -> list[dict]:
+    """Chat messages as the chat template gets them: `developer` as `system`, each as
+    template_message makes it, `name` kept (the model's chat template decides what it means)."""
+    rendered_all = []
+    for message in messages:
+        role = "system" if message.role == "developer" else message.role
+        rendered = template_message(message, role, message.text())
+        if message.name is not None:
+            rendered["name"] = message.name
+        rendered_all.append(rendered)
+    return rendered_all
+
+
 def template_message(message, role: str, content: Optional[str]) -> dict:
     """A chat message as the template gets it: OpenAI's tool fields where present; a call's
     arguments as the value they encode (Qwen2.5's template writes them with `tojson`)."""
