@@ -315,3 +315,13 @@ def test_logit_bias_is_applied_to_the_target_under_every_method(oai, server, met
         with pytest.raises(openai.BadRequestError) as error:
             ask(logit_bias=bad)
         assert error.value.body["param"].startswith("logit_bias")
+
+
+def test_responses_custom_tool_with_a_regex_format_is_held_to_it(oai):
+    tool = {"type": "custom", "name": "set_code", "description": "A three-digit code.",
+            "format": {"type": "grammar", "syntax": "regex", "definition": "[0-9]{3}"}}
+    response = oai.responses.create(model=MODEL, input="a code", tools=[tool], temperature=0, max_output_tokens=80,
+                                    tool_choice={"type": "custom", "name": "set_code"})
+    call = response.output[0].model_dump()
+    assert (call["type"], call["name"]) == ("custom_tool_call", "set_code")
+    assert len(call["input"]) == 3 and call["input"].isdigit()

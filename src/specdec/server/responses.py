@@ -13,8 +13,8 @@ are made exactly as chat completions makes them; the answer's text is read into 
   their calls returned with `namespace` and `name`, so the client can route them); built-in tools
   the server cannot run (`web_search`, `file_search`, ...) are left out of what the model is
   offered, and a 400 only when `tool_choice` forces one. `custom` tools are offered as functions
-  taking one string, `input`, and returned as `custom_tool_call` items (their grammar, if any, is
-  not enforced).
+  taking one string, `input`, and returned as `custom_tool_call` items (a regex format enforced
+  on it, a Lark format not).
 - `store` (default true) keeps the response, with the conversation it ends, for
   `previous_response_id` and `GET /v1/responses/{id}`: per tenant, in bounded memory, lost on
   restart.
@@ -169,7 +169,16 @@ class Offered:
         self.origin[offered] = (kind, namespace, name)
 
 
-CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+def custom_parameters(form: Any, param: str) -> dict:
+    """A custom tool's free-form input as the one string argument `input`; a regex format holds
+    that string to the regex exactly, as a JSON schema's `pattern` (a Lark format is not enforced)."""
+    text: dict[str, Any] = {"type": "string"}
+    if isinstance(form, dict) and form.get("type") == "grammar" and form.get("syntax") == "regex":
+        definition = form.get("definition")
+        if not isinstance(definition, str):
+            raise bad_request(f"{param}.format.definition: required (the regex).", f"{param}.format.definition")
+        text["pattern"] = f"^(?:{definition})$"
+    return {"type": "object", "properties": {"input": text}, "required": ["input"], "additionalProperties": False}
 
 
 def offered_tools(tools: list[dict[str, Any]]) -> Offered:
@@ -188,7 +197,8 @@ def offered_tools(tools: list[dict[str, Any]]) -> Offered:
                 offered.add(_name(inner, where), inner.get("description"), inner.get("parameters"), "function",
                             namespace, where)
         elif kind == "custom":
-            offered.add(_name(tool, param), tool.get("description"), CUSTOM_PARAMETERS, "custom", None, param)
+            offered.add(_name(tool, param), tool.get("description"), custom_parameters(tool.get("format"), param),
+                        "custom", None, param)
         elif not isinstance(kind, str):
             raise bad_request(f"{param}.type: required (a string).", f"{param}.type")
         # built-in and unknown tool types: this server cannot run them, so the model is not offered them
