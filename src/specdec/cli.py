@@ -7,12 +7,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
-import platform
 import sys
 from functools import partial
-from pathlib import Path
-from typing import Mapping, Optional, Sequence
 
 from specdec.types import SpecdecError
 
@@ -203,57 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# -- transparent huge pages ---------------------------------------------------------------------
-# The libraries zero each model's whole KV cache when its context is made, so every page of it is
-# faulted in at start-up; at the default context (backends/context_size.py) that is gigabytes. In
-# 4 KiB pages that took 15 s on a 2-core VM, in the 2 MiB pages glibc's malloc asks for with
-# glibc.malloc.hugetlb=1 (MADV_HUGEPAGE) 8.6 s, and decoding steps ran about 9 % faster (fewer TLB
-# misses); docs/usage.md, "Context". The tunable is read when a process starts, so a command that
-# loads models runs itself once more with it, unless the kernel would ignore it or the user set
-# SPECDEC_HUGEPAGES=0.
-HUGEPAGES_ENV = "SPECDEC_HUGEPAGES"
-HUGETLB_TUNABLE = "glibc.malloc.hugetlb"
-MODEL_COMMANDS = frozenset({"generate", "calibrate", "serve", "bench"})
-THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def hugepage_environment(argv: Sequence[str], environ: Mapping[str, str], thp_setting: str,
-                         libc: tuple[str, str]) -> Optional[dict[str, str]]:
-    """The environment to run `specdec ARGV` in with glibc's malloc asking for huge pages, or None
-    where nothing would change: not a command that loads models, switched off, already set, the
-    kernel giving huge pages to every mapping ([always]) or none ([never]), no glibc 2.35+."""
-    if not argv or argv[0] not in MODEL_COMMANDS or environ.get(HUGEPAGES_ENV, "1") == "0":
-        return None
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    if HUGETLB_TUNABLE in tunables or "[madvise]" not in thp_setting:
-        return None
-    name, version = libc
-    try:
-        if name != "glibc" or tuple(int(part) for part in version.split(".")[:2]) < (2, 35):
-            return None
-    except ValueError:
-        return None
-    return {**environ, "GLIBC_TUNABLES": ":".join(filter(None, (tunables, f"{HUGETLB_TUNABLE}=1")))}
-
-
-def _rerun_with_hugepages() -> None:
-    """Replace this process by the same command with huge pages (hugepage_environment), where that changes anything."""
-    try:
-        environ = hugepage_environment(sys.argv[1:], os.environ, THP_SETTING.read_text(), platform.libc_ver())
-    except OSError:
-        return
-    if environ is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        try:
-            os.execve(sys.executable, [sys.executable, "-m", "specdec.cli", *sys.argv[1:]], environ)
-        except OSError:
-            pass  # run on as it is
-
-
 def main(argv=None) -> int:
-    if argv is None:  # the `specdec` command itself (a caller passing its own argv keeps its process)
-        _rerun_with_hugepages()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
