@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -41,9 +42,14 @@ def test_serve_ray_command_serves_then_stops_on_sigterm():
             response = wait_for_answer(lambda: httpx.post(url + "/v1/completions", json=body, timeout=10), process,
                                        log, "specdec serve --ray")
             assert response.json()["choices"][0]["finish_reason"] == "length"
-            replicas = {httpx.post(url + "/v1/completions", json=body, timeout=10,
-                                   headers={"Authorization": f"Bearer k{i}"}).headers["x-specdec-replica"]
-                        for i in range(16)}
+            # The proxy's router learns of the second replica a moment after the first answers:
+            # rounds of 16 keys until both answered, within a deadline.
+            replicas: set[str] = set()
+            deadline = time.monotonic() + 60
+            while len(replicas) < 2 and time.monotonic() < deadline:
+                replicas |= {httpx.post(url + "/v1/completions", json=body, timeout=10,
+                                        headers={"Authorization": f"Bearer k{i}"}).headers["x-specdec-replica"]
+                             for i in range(16)}
             assert len(replicas) == 2
             process.send_signal(signal.SIGTERM)
             assert process.wait(90) == 0
