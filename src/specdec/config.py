@@ -71,7 +71,7 @@ class SpecdecConfig:
 
 
 def _validate_models(models: ModelConfig) -> None:
-    if models.ctx_size < 16:
+    if models.ctx_size is not None and models.ctx_size < 16:
         raise SpecdecError("--ctx-size must be at least 16.")
     if models.threads is not None and models.threads < 1:
         raise SpecdecError("--threads must be at least 1.")
@@ -118,6 +118,8 @@ def env_name(key: str) -> str:
 
 # -- values -----------------------------------------------------------------------------------------
 NONE_WORDS = ("", "none", "null")
+# Optional keys whose None means "chosen for this machine": they take the word auto too.
+AUTO_KEYS = frozenset({"models.ctx_size"})
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -190,10 +192,13 @@ def setting(key: str, value: Any, source: str) -> Any:
         raise _unknown(key, source)
     if key in SECRETS and source != FLAGS:
         raise SpecdecError(f"{key} cannot be set in {source}: {SECRET_HINT}.")
+    if key in AUTO_KEYS and isinstance(value, str) and value.strip().lower() == "auto":
+        return None
     try:
         return convert(key, value, SETTINGS[key])
     except (ValueError, TypeError):
-        raise SpecdecError(f"{key} takes {describe(SETTINGS[key])}, not {value!r} ({source}).") from None
+        kind = describe(SETTINGS[key]).replace(" or none", " or auto") if key in AUTO_KEYS else describe(SETTINGS[key])
+        raise SpecdecError(f"{key} takes {kind}, not {value!r} ({source}).") from None
 
 
 # -- the sources ------------------------------------------------------------------------------------

@@ -56,6 +56,16 @@ class Switch(Setting):
         note(namespace, self.key, self.to_value(values))
 
 
+def context_size(text: str) -> Optional[int]:
+    """--ctx-size's value: a number of tokens, or auto (None)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of tokens or auto, not {text!r}") from None
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("configuration (docs/usage.md#configuration)")
     group.add_argument("--config", metavar="FILE",
@@ -90,8 +100,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the draft model scores only the N most frequent tokens, a cheaper step (ik_llama.cpp "
                             "built by specdec; lossless: only proposals change); 0: all "
                             f"(default {ModelConfig.draft_vocabulary})")
-    group.add_argument("--ctx-size", type=int, default=ModelConfig.ctx_size, action=Setting, key="models.ctx_size",
-                       help=f"context length in tokens (default {ModelConfig.ctx_size})")
+    group.add_argument("--ctx-size", type=context_size, default=None, metavar="N|auto", action=Setting,
+                       key="models.ctx_size",
+                       help="context per slot in tokens (default auto: the model's trained length within a KV budget "
+                            "of a third of the RAM, less the weights; the start-up log states both); at most the "
+                            "trained length")
     group.add_argument("--threads", type=int, default=None, action=Setting, key="models.threads",
                        help="CPU threads (default: all cores)")
     group.add_argument("--repacked", action=Switch, key="models.backend.repacked",

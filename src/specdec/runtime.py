@@ -1,15 +1,19 @@
 """Building an engine from the configuration (specdec/config.py): its models on the registry's backend."""
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 from specdec.backends.base import Backend
+from specdec.backends.context_size import ContextPlan, kv_shape, machine_memory, plan_context, weights_bytes
 from specdec.backends.registry import IK_LLAMA_CPP, BackendConfig, ModelConfig, backend_entry, default_backend
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.models.registry import DRAFT, TARGET, ModelSpec, default_path
 from specdec.types import SpecdecError
+
+logger = logging.getLogger("specdec.context")
 
 
 def backend_config(backend: Optional[str] = None, dtype: Optional[str] = None, exact: bool = True,
@@ -63,6 +67,17 @@ def resolve_model(path: Optional[str], spec: ModelSpec) -> Path:
     return cached
 
 
+def context_plan(config: ModelConfig, target: Path, draft: Optional[Path], n_slots: int) -> ContextPlan:
+    """The context per slot for `config.ctx_size` (None: auto) on this machine's memory, from
+    both models' metadata (backends/context_size.py)."""
+    dtype_bytes = 4 if config.backend.dtype == "float32" else 2
+    paths = [target, *([draft] if draft is not None else [])]
+    shapes = [kv_shape(path, dtype_bytes) for path in paths]
+    known = [shape for shape in shapes if shape is not None]
+    return plan_context(config.ctx_size, slots=n_slots, shapes=known if len(known) == len(shapes) else [],
+                        weights=sum(weights_bytes(path) for path in paths), memory=machine_memory())
+
+
 def load_backend(config: ModelConfig, path: Path, n_slots: int = 1, draft: bool = False) -> Backend:
     """One model on the configured backend (`draft`: as the draft model, whose logits only shape
     proposals); each backend imports its libraries only when loaded."""
@@ -74,6 +89,9 @@ def load_engine(config: ModelConfig, n_slots: int = 1, engine: Optional[EngineCo
     (None: the defaults). Ray replicas call it (or a test's stand-in) with the same arguments."""
     target_path = resolve_model(config.target, TARGET)
     draft_path = resolve_model(config.draft, DRAFT) if config.load_draft else None
+    plan = context_plan(config, target_path, draft_path, n_slots)
+    (logger.warning if plan.warning else logger.info)(plan.line() + (f"; {plan.warning}" if plan.warning else ""))
+    config = replace(config, ctx_size=plan.per_slot)  # kept by the engine: a reload (upgrade.py) keeps its size
     target = load_backend(config, target_path, n_slots)
     draft = None
     if draft_path is not None:

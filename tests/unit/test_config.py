@@ -58,7 +58,7 @@ def toml_line(key: str, value) -> str:
 # -- precedence ---------------------------------------------------------------------------------------
 # key, its flag (None: none), then its value in the defaults, a TOML file, the environment, the flag, --set
 PRECEDENCE = [
-    ("models.ctx_size", "--ctx-size", 4096, 512, 1024, 2048, 256),
+    ("models.ctx_size", "--ctx-size", None, 512, 1024, 2048, 256),  # None: auto (backends/context_size.py)
     ("engine.ngram_max", None, 3, 4, 5, None, 6),
     ("policy.margin", None, 0.02, 0.1, 0.2, None, 0.3),
     ("server.max_queue", "--max-queue", 64, 1, 2, 3, 5),
@@ -106,7 +106,7 @@ def test_a_serve_configs_args_sit_between_the_file_and_the_environment(tmp_path)
 def test_no_new_option_changes_nothing():
     config = serve(ray=False)
     assert config.engine == EngineConfig() and config.scale == type(config.scale)()
-    assert config.slots == 4 and config.server.max_queue == 64 and config.models.ctx_size == 4096
+    assert config.slots == 4 and config.server.max_queue == 64 and config.models.ctx_size is None
     assert config.server.served_model_name == "t" and config.server.allowed_hosts == ("localhost", "127.0.0.1", "::1")
 
 
@@ -117,6 +117,7 @@ SAMPLES = {
     "models.backend.dtype": ("float32", ["models.backend.backend=torch"]),
     "models.backend.repacked": ("true", ["models.backend.backend=ik_llama.cpp"]),
     "models.draft_vocabulary": ("0", []),
+    "models.ctx_size": ("8192", []),  # left at None (auto): a size at least 16
     "server.log_level": ("debug", []),
     "server.spec.method": ("ngram", []),
     "server.allowed_hosts": ("api.example.com", []),

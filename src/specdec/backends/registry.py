@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from specdec.backends.base import Backend
+from specdec.backends.context_size import FLOOR
 from specdec.types import SpecdecError
 
 INEXACT = "inexact"
@@ -28,12 +29,20 @@ class ModelConfig:
     target: Optional[str] = None  # a GGUF file (or, for torch, a model folder); None: the pulled default
     draft: Optional[str] = None
     load_draft: bool = True
-    ctx_size: int = 4096
+    # Tokens per slot; None: auto, the trained length within a KV budget that fits this machine,
+    # settled by runtime.load_engine (backends/context_size.py) before any model loads.
+    ctx_size: Optional[int] = None
     threads: Optional[int] = None  # None: every core this process may use
     # Tokens the draft model scores (models/reduced_vocabulary.py) where its library can; 0: all.
     # 32,768 cover 96 % of the target's greedy Spec-Bench text for 0.77 of the full draft's step.
     draft_vocabulary: int = 32768
     backend_by_rule: bool = False  # no --backend and no measured profile: runtime.default_config's choice
+
+    @property
+    def n_ctx(self) -> int:
+        """The context per slot the backends get: the settled size (a loader that settles none
+        gets the floor that auto never goes below)."""
+        return self.ctx_size if self.ctx_size is not None else FLOOR
 
     def with_backend(self, backend: "BackendConfig") -> "ModelConfig":
         return replace(self, backend=backend)
@@ -139,7 +148,7 @@ def _llama_family(binding_module: str) -> Callable[[Path, ModelConfig, int, bool
             from specdec.models.registry import models_dir
 
             vocabulary = reduced_vocabulary.prepare(path, models_dir() / "derived", config.draft_vocabulary)
-        return LlamaFamilyBackend(binding, path, n_ctx=config.ctx_size, n_threads=config.threads,
+        return LlamaFamilyBackend(binding, path, n_ctx=config.n_ctx, n_threads=config.threads,
                                   max_sequences=n_slots, exact=config.backend.exact, proposals_only=draft,
                                   repack=config.backend.repacked and not draft, vocabulary=vocabulary)
 
@@ -149,7 +158,7 @@ def _llama_family(binding_module: str) -> Callable[[Path, ModelConfig, int, bool
 def _load_torch(path: Path, config: ModelConfig, n_slots: int, draft: bool) -> Backend:
     from specdec.backends.torch_backend import TorchBackend
 
-    return TorchBackend(path, dtype=config.backend.dtype, n_ctx=config.ctx_size, n_threads=config.threads,
+    return TorchBackend(path, dtype=config.backend.dtype, n_ctx=config.n_ctx, n_threads=config.threads,
                         max_sequences=n_slots, exact=config.backend.exact)
 
 

@@ -221,14 +221,22 @@ def _measure(args, config, compare, engine_factory, prompts, configs, settings, 
         ngram_ks = [c.num_draft_tokens for c in configs if c.method == "ngram" and c.source == SOURCE]
         threads = args.threads or default_threads()  # the same threads as our engine's default
         run_llama_server(peers[LLAMA_SERVER], prompts, draft_ks, settings, records, target, draft,
-                         out / "logs", args.ctx_size, threads, progress, ngram_ks=ngram_ks)
+                         out / "logs", _peer_ctx_size(args), threads, progress, ngram_ks=ngram_ks)
     if peer_status(peers)[HF_ASSISTED] == RUN:
         target, draft = _model_paths(args, need_draft)
         draft_ks = [c.num_draft_tokens for c in configs if c.method == "draft" and c.source == SOURCE]
         ngram_ks = [c.num_draft_tokens for c in configs if c.method == "ngram" and c.source == SOURCE] or \
             [DEFAULT_NUM_DRAFT_TOKENS]
         run_hf_assisted(prompts, draft_ks, ngram_ks, settings, records, target, draft,
-                        args.dtype or TORCH.dtypes[0], args.ctx_size, args.threads or default_threads(), progress=progress)
+                        args.dtype or TORCH.dtypes[0], _peer_ctx_size(args), args.threads or default_threads(), progress=progress)
+
+
+def _peer_ctx_size(args: argparse.Namespace) -> int:
+    """The peers' context per slot: --ctx-size where given, else the floor auto never goes below
+    (every benchmark prompt fits it; a peer sizes its own cache)."""
+    from specdec.backends.context_size import FLOOR
+
+    return args.ctx_size or FLOOR
 
 
 def _load_engine(models, engine_config):

@@ -167,9 +167,9 @@ def run(args: argparse.Namespace) -> int:
         scheduler = app.state.specdec.scheduler
         server = make_server(app, server_config.host, server_config.port, server_config.log_level)
         logging.getLogger("specdec.server").info(
-            "serving %r on http://%s:%d (method %s, k=%d, %d slots; the playground at /)",
+            "serving %r on http://%s:%d (method %s, k=%d, %d slots of %d tokens; the playground at /)",
             server_config.served_model_name, server_config.host, server_config.port, server_config.spec.method,
-            server_config.spec.num_draft_tokens, config.slots)
+            server_config.spec.num_draft_tokens, config.slots, engine.target.n_ctx)
         server.run()
         return 0
     finally:
