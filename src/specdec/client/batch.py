@@ -31,15 +31,15 @@ from typing import Iterable, Optional, Union
 from specdec.client.http import APIError, AsyncClient, Completion, request_fields, speculative_decoding_field
 from specdec.client.jsonl import RECORD_ERRORS, JsonlStore, read_lines
 from specdec.client.records import Layout, RequestRecord
-from specdec.client.structured import schema_valid
+from specdec.client.structured import check_output
 from specdec.types import SpecdecError
 
 RUNNER_FIELDS = ("stream", "stream_options")  # set by the runner, dropped from input lines
 MAX_REPORTED_BAD_LINES = 3
 MAX_INT_DIGITS = 100  # an integer in an input line has at most this many digits (ids, seeds, ...)
 MAX_NESTING = 100  # arrays and objects in an input line nest at most this deep
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_BRACKET = re.compile(r"[\[\]{}]")
+# A string or a bracket; an unclosed string runs to the end, so the scan never restarts at each quote.
+_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]', re.S)
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads pairs valid escapes, so any left is lone
 
 
@@ -189,8 +189,11 @@ def _nests_deeper_than(text: str, limit: int) -> bool:
     Example: '{"a": [[1]], "b": "[[[["}' nests 3 deep (the brackets in "b" are text).
     """
     depth = 0
-    for match in _BRACKET.finditer(_JSON_STRING.sub("", text)):
-        if match.group() in "[{":
+    for match in _STRING_OR_BRACKET.finditer(text):
+        token = match.group()
+        if token[0] == '"':
+            continue
+        if token in "[{":
             depth += 1
             if depth > limit:
                 return True
@@ -282,7 +285,7 @@ class ResultWriter(JsonlStore):
 
 RESULTS_LAYOUT = Layout(
     keys=("id", "line", "text", "usage", "latency_seconds", "ttft_seconds", "attempts", "error", "error_type", "model",
-          "finish_reason", "speculative_decoding", "started_at", "finished_at", "schema_valid"),
+          "finish_reason", "speculative_decoding", "started_at", "finished_at", "schema_valid", "schema_error"),
     measured={"text": "text", "latency_seconds": "wall_seconds", "ttft_seconds": "ttft_seconds", "error": "error",
               "finish_reason": "finish_reason", "started_at": "started_at", "finished_at": "finished_at"},
 )
@@ -294,12 +297,14 @@ def _identity(item: BatchItem, body: dict) -> dict:
 
 
 def success_record(item: BatchItem, completion: Completion, body: dict, started_at: float) -> dict:
+    valid, schema_error = check_output(completion.text, body.get("response_format"))
+    checked = {"schema_valid": valid} if schema_error is None else {"schema_valid": valid, "schema_error": schema_error}
     return RequestRecord(
         text=completion.text, finish_reason=completion.finish_reason, wall_seconds=completion.latency_seconds,
         ttft_seconds=completion.ttft_seconds, started_at=started_at, finished_at=time.time(),
         fields={**_identity(item, body), "model": completion.model or body.get("model"), "usage": completion.usage,
                 "attempts": [a.as_dict() for a in completion.attempts], "error_type": None,
-                "schema_valid": schema_valid(completion.text, body.get("response_format"))},
+                **checked},
     ).as_dict(RESULTS_LAYOUT)
 
 

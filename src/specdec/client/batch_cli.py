@@ -127,12 +127,29 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, Path, Optional[str]]]
     return [("off", off_path, "off"), ("on", on_path, args.speculative or "on")]
 
 
+def _refuse_writing_the_input(args: argparse.Namespace) -> None:
+    """Before anything is written: no results or report file may be the input file itself (by any
+    path: a symlink, "..", a hard link)."""
+    targets = [("--out", path) for _, path, _ in plan_runs(args)]
+    if args.report:
+        targets += [("--report", Path(args.report)), ("--report", json_path_for(args.report))]
+    for flag, path in targets:
+        if _same_file(path, Path(args.input)):
+            raise SpecdecError(f"{flag} {path} is the input file {args.input}; give {flag} another path.")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist: then they are not one file
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    _refuse_writing_the_input(args)
     items = read_input(args.input)
     prices = load_price_table(args.prices)
-    if args.report:
-        json_path_for(args.report)
     api_key = args.api_key or next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
     client = AsyncClient(args.base_url, api_key, retry=RetryPolicy(max_attempts=args.max_attempts),
                          timeouts=Timeouts(connect=args.connect_timeout, per_token=args.per_token_timeout,
