@@ -122,6 +122,8 @@ class GrammarSpec:
 
     kind: str
     source: str = ""
+    # The spec compiled for the target (grammar/compiler.py), where the server did so on admission.
+    compiled: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from specdec.engine.cost_model import CostModel, calibrate
 from specdec.engine.core import EngineCore
 from specdec.engine.decoder import Generation
 from specdec.engine.sequence import CachedSequence
-from specdec.grammar.compiler import GrammarCompiler
+from specdec.grammar.compiler import DEFAULT_TIME_LIMIT, GrammarCompiler
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent
 
 if TYPE_CHECKING:
@@ -98,6 +98,7 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse the cached KV of a prompt prefix seen by the previous request
     cross_request_ngrams: bool = True  # draft from text generated earlier for the same tenant
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # what `auto` tunes its choices with
+    grammar_time_limit: Optional[float] = DEFAULT_TIME_LIMIT  # seconds a grammar may compile on admission
 
 
 @dataclass
@@ -136,7 +137,7 @@ class Engine:
         self.slots = [self._make_slot(seq_id) for seq_id in range(n_slots)]
         self.cost_model: Optional[CostModel] = None  # measured on first use of `auto`
         self.cross_request = CrossRequestCache()
-        self.grammars = GrammarCompiler(target)  # the vocabulary is read on first use only
+        self.grammars = GrammarCompiler(target, config.grammar_time_limit)  # the vocabulary is read on first use only
         self.core = EngineCore(self)  # the one driver of its slots, for every caller
 
     def _make_slot(self, seq_id: int) -> Slot:

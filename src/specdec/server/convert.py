@@ -8,6 +8,7 @@ from typing import Optional, Union, cast
 from pydantic import ValidationError
 
 from specdec.engine.engine import Engine
+from specdec.grammar.compiler import GrammarBusy
 from specdec.server.config import ServerConfig
 from specdec.server.errors import APIError, bad_request
 from specdec.server.fim import encode_fim, fim_stop_tokens
@@ -208,13 +209,12 @@ def request_grammar(engine: Engine, body: Union[ChatCompletionRequest, Completio
     elif form is not None and form.type == "json_schema":
         schema = form.json_schema.json_schema
         text_schema = {"type": "object"} if schema is None else schema
-    spec = tool_grammar(setup, marker_tokens(engine.target), text_schema)
-    assert spec is not None  # setup.active: tool calling is on
     try:
-        engine.grammars.check(spec)
-    except SpecdecError as exc:
-        raise bad_request(f"tools: {exc}", "tools") from None
-    return spec
+        spec = tool_grammar(setup, marker_tokens(engine.target), text_schema, engine.grammars.time_limit)
+    except GrammarBusy as exc:
+        raise _busy(exc, "tools") from None
+    assert spec is not None  # setup.active: tool calling is on
+    return compiled_grammar(engine, spec, "tools", "invalid_value")
 
 
 def response_grammar(engine: Engine, body: Union[ChatCompletionRequest, CompletionRequest]) -> Optional[GrammarSpec]:
@@ -229,8 +229,19 @@ def response_grammar(engine: Engine, body: Union[ChatCompletionRequest, Completi
         schema = form.json_schema.json_schema
         spec = GrammarSpec("json_schema", json.dumps({"type": "object"} if schema is None else schema))
         param = "response_format.json_schema.schema"
+    return compiled_grammar(engine, spec, param, "unsupported_schema")
+
+
+def compiled_grammar(engine: Engine, spec: GrammarSpec, param: str, code: str) -> GrammarSpec:
+    """The spec with its grammar compiled (cached; on the grammar threads, within their time limit),
+    so the engine's worker only copies it per choice; what cannot be used is a 400 naming `param`."""
     try:
-        engine.grammars.check(spec)
-    except SpecdecError as exc:
-        raise bad_request(f"{param}: {exc}", param, "unsupported_schema") from None
-    return spec
+        return dataclasses.replace(spec, compiled=engine.grammars.compile(spec))
+    except GrammarBusy as exc:
+        raise _busy(exc, param) from None
+    except SpecdecError as exc:  # GrammarTimeout among them
+        raise bad_request(f"{param}: {exc}", param, code) from None
+
+
+def _busy(exc: GrammarBusy, param: str) -> APIError:
+    return APIError(503, str(exc), "server_error", param, "grammar_compiler_busy", {"Retry-After": "1"})

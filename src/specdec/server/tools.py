@@ -28,7 +28,7 @@ from typing import Annotated, Any, Iterable, Literal, Optional, Sequence, TypeVa
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from specdec.grammar.compiler import grammar_error
+from specdec.grammar.compiler import GrammarTimeout, grammar_error
 from specdec.server.errors import bad_request
 from specdec.types import GrammarSpec
 
@@ -345,30 +345,39 @@ def lark_source(tools: Sequence[dict], choice: str, forced: Optional[str], paral
 
 @lru_cache(maxsize=64)
 def _checked_source(tools_json: str, choice: str, forced: Optional[str], parallel: bool,
-                    markers: Optional[tuple[int, int]], text_schema_json: str) -> str:
+                    markers: Optional[tuple[int, int]], text_schema_json: str, limit: Optional[float]) -> str:
     tools = json.loads(tools_json)
     for i, tool in enumerate(tools):  # each schema alone first: the 400 names the tool
-        error = grammar_error(GrammarSpec("lark", f"start: %json {_arguments_schema(tool['function']['parameters'])}\n"))
+        error = _limited_error(GrammarSpec("lark", f"start: %json {_arguments_schema(tool['function']['parameters'])}\n"),
+                               limit)
         if error:
             param = f"tools[{i}].function.parameters"
             raise bad_request(f"{param}: this schema cannot constrain the arguments: {error}", param, INVALID_TOOLS)
     source = lark_source(tools, choice, forced, parallel, markers, json.loads(text_schema_json))
-    error = grammar_error(GrammarSpec("lark", source))
+    error = _limited_error(GrammarSpec("lark", source), limit)
     if error:
         raise bad_request(f"tools: the tools' grammar cannot be built: {error}", "tools", INVALID_TOOLS)
     return source
 
 
+def _limited_error(spec: GrammarSpec, limit: Optional[float]) -> Optional[str]:
+    try:
+        return grammar_error(spec, limit)
+    except GrammarTimeout as exc:  # too slow to compile is a 400 naming the part, as a refusal is
+        return str(exc)
+
+
 def tool_grammar(setup: ToolSetup, markers: Optional[tuple[int, int]] = None,
-                 text_schema: Any = None) -> Optional[GrammarSpec]:
+                 text_schema: Any = None, limit: Optional[float] = None) -> Optional[GrammarSpec]:
     """The constraint for a request's calls, or None where tool calling is off ("none", no tools).
     Checked with llguidance (a schema it cannot compile is a 400 naming the tool); cached, so a
-    repeated set of tools is built once. `text_schema`: see lark_source."""
+    repeated set of tools is built once. `text_schema`: see lark_source; `limit`: seconds each
+    check may take (grammar/compiler.py's threads)."""
     if not setup.active:
         return None
     tools_json = json.dumps(setup.tools, ensure_ascii=False)
     return GrammarSpec("lark", _checked_source(tools_json, setup.choice, setup.forced, setup.parallel, markers,
-                                               json.dumps(text_schema)))
+                                               json.dumps(text_schema), limit))
 
 
 _MARKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # backend -> its marker ids
