@@ -39,9 +39,10 @@ ENV_PREFIX = "SPECDEC_"
 FLAGS = "the command line"  # the one source the keys may come from (besides their own variables and files)
 # Never from a file, the generic variables or --set: what those hold may end up in what Ray stores
 # or a log shows. Keys come from --api-key, a keys file or SPECDEC_API_KEY(S) (server/tenants.py).
-SECRETS = frozenset({"server.api_key", "server.api_keys"})
+SECRETS = frozenset({"server.api_key", "server.api_keys", "server.metrics_key"})
 SECRET_HINT = ("API keys go in a keys file (--api-keys-file, or server.api_keys_file, or SPECDEC_API_KEYS_FILE), "
-               "in SPECDEC_API_KEYS or SPECDEC_API_KEY, or in --api-key")
+               "in SPECDEC_API_KEYS or SPECDEC_API_KEY, or in --api-key; the metrics key in SPECDEC_METRICS_KEY "
+               "or --metrics-key")
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,7 @@ def load_config(*, file: Union[str, Path, None] = None, mapping: Optional[Mappin
         _apply(ScaleConfig(), "scale.", settings).refuse_without_ray()
     config = assemble(settings)
     if keys:
-        config = with_keys(config, settings.get("server.api_key"), environ)
+        config = with_keys(config, settings.get("server.api_key"), environ, settings.get("server.metrics_key"))
     config.validate()
     return config
 
@@ -336,10 +337,13 @@ def default_served_name(target: Optional[str]) -> str:
     return default_path(TARGET).stem
 
 
-def with_keys(config: SpecdecConfig, flag_key: Optional[str], environ: Mapping[str, str]) -> SpecdecConfig:
+def with_keys(config: SpecdecConfig, flag_key: Optional[str], environ: Mapping[str, str],
+              flag_metrics_key: Optional[str] = None) -> SpecdecConfig:
     """The server's API keys: --api-key (else $SPECDEC_API_KEY), the keys file (else
-    $SPECDEC_API_KEYS_FILE) and $SPECDEC_API_KEYS, as server/tenants.py reads them."""
-    from specdec.server.tenants import configured_keys
+    $SPECDEC_API_KEYS_FILE) and $SPECDEC_API_KEYS, and the metrics key (--metrics-key, else
+    $SPECDEC_METRICS_KEY), as server/tenants.py reads them."""
+    from specdec.server.tenants import configured_keys, configured_metrics_key
 
     api_key, api_keys = configured_keys(flag_key, config.server.api_keys_file, dict(environ))
-    return replace(config, server=replace(config.server, api_key=api_key, api_keys=api_keys))
+    metrics_key = configured_metrics_key(flag_metrics_key, api_key, api_keys, dict(environ))
+    return replace(config, server=replace(config.server, api_key=api_key, api_keys=api_keys, metrics_key=metrics_key))

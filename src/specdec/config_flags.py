@@ -132,5 +132,8 @@ def config_from_args(args: argparse.Namespace, *, keys: bool = False, ray: Optio
     if keys and given.get("server.api_key"):
         logging.getLogger("specdec.server").warning(
             "--api-key puts the key in the process list; prefer SPECDEC_API_KEY or --api-keys-file")
+    if keys and given.get("server.metrics_key"):
+        logging.getLogger("specdec.server").warning("--metrics-key puts the key in the process list; prefer "
+                                                    "SPECDEC_METRICS_KEY")
     return load_config(file=getattr(args, "config", None), flags=given, sets=getattr(args, "set", None) or (),
                        keys=keys, ray=ray)

@@ -644,7 +644,7 @@ def test_the_proxy_reads_its_settings_from_the_environment():
 # -- the keys never travel in what Ray stores ---------------------------------------------------------
 @pytest.fixture
 def no_keys_in_env(monkeypatch):
-    for name in ("SPECDEC_API_KEY", "SPECDEC_API_KEYS", "SPECDEC_API_KEYS_FILE"):
+    for name in ("SPECDEC_API_KEY", "SPECDEC_API_KEYS", "SPECDEC_API_KEYS_FILE", "SPECDEC_METRICS_KEY"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -708,6 +708,27 @@ def test_an_api_key_flag_is_refused_where_it_would_travel_in_rays_state(capsys, 
     environment = local_ray_environment(config, spec)
     assert environment["SPECDEC_API_KEY"] == "sk-secret"
     assert environment["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "specdec.deploy.proxy:middlewares"
+
+
+def test_the_metrics_key_travels_as_the_api_keys_do(capsys, no_keys_in_env):
+    from specdec.deploy.app import build
+    from specdec.deploy.cli import local_ray_environment
+    from specdec.deploy.replica import keys_on_this_node, replica_spec
+    from specdec.types import SpecdecError
+
+    with pytest.raises(SpecdecError, match="^--metrics-key in a Serve config would put the key in the config"):
+        build({"server": {"metrics_key": "m-secret"}, "models": {"target": "t.gguf"}})
+    assert main(["serve", "--ray", "--address", "127.0.0.1:1", "--metrics-key", "m-secret", "--model", "t.gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "--metrics-key with --address would put the key" in err and "m-secret" not in err
+    config = serve_config(["--ray", "--api-key", "sk-secret", "--metrics-key", "m-secret", "--model", "t.gguf"])
+    spec = replica_spec(config)
+    assert b"m-secret" not in pickle.dumps(spec) and spec.metrics_key
+    assert local_ray_environment(config, spec)["SPECDEC_METRICS_KEY"] == "m-secret"
+    node = {"SPECDEC_API_KEY": "sk-secret", "SPECDEC_METRICS_KEY": "m-secret"}
+    assert keys_on_this_node(spec, node).metrics_key == "m-secret"
+    with pytest.raises(SpecdecError, match="SPECDEC_METRICS_KEY"):  # a node without it: no replica there
+        keys_on_this_node(spec, {"SPECDEC_API_KEY": "sk-secret"})
 
 
 def test_a_full_queue_is_a_429_with_retry_after_as_under_specdec_serve():

@@ -275,7 +275,8 @@ def test_keys_lowercase_bearer_and_metrics(keyed):
         assert httpx.get(url + "/v1/models", headers={"Authorization": f"{scheme} key-b"}, timeout=5).status_code == 200
     response = httpx.get(url + "/metrics", timeout=5)
     assert_openai_error(response.status_code, response.content, 401, "invalid_api_key")
-    assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer key-a"}, timeout=5).status_code == 200
+    response = httpx.get(url + "/metrics", headers={"Authorization": "Bearer key-a"}, timeout=5)
+    assert_openai_error(response.status_code, response.content, 403, "metrics_key_required")  # two tenants' traffic
 
 
 def test_public_metrics_opens_metrics_only():
@@ -406,12 +407,13 @@ def test_connections_over_limit_concurrency_get_503():
         idle = [socket.create_connection(address(url), timeout=5) for _ in range(4)]
         try:
             time.sleep(0.2)
-            response = httpx.get(url + "/health", timeout=5)
-            assert response.status_code == 503
+            response = httpx.get(url + "/v1/models", timeout=5)
+            assert response.status_code == 503 and response.json()["error"]["code"] == "too_many_connections"
+            assert httpx.get(url + "/health", timeout=5).status_code == 200  # the orchestrator's probe, always
         finally:
             for sock in idle:
                 sock.close()
-        assert wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 5)
+        assert wait_for(lambda: httpx.get(url + "/v1/models", timeout=5).status_code == 200, 5)
 
 
 # -- one token per chunk ---------------------------------------------------------------------------

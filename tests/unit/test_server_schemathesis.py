@@ -123,7 +123,7 @@ def streams_end_in_done(ctx, response, case):
     finals = sorted(choice["index"] for p in payloads for choice in p["choices"] if choice["finish_reason"] is not None)
     n = int((case.body.get("n") if isinstance(case.body, dict) else None) or 1)  # 3.0 is a valid n
     prompt = case.body.get("prompt") if isinstance(case.body, dict) else None
-    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (int, float)) else 1
     assert finals == ([] if errors else list(range(n * prompts))), f"finish_reason chunks for choices {finals}"
     assert len({p["id"] for p in payloads}) <= 1, "the chunks of one stream carry different ids"
     return None

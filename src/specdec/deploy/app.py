@@ -24,9 +24,9 @@ ROUTER = "specdec.deploy.router:AffinityRouter"
 # Seconds Ray Serve gives a stopping replica beyond the app's own drain grace.
 SHUTDOWN_MARGIN_SECONDS = 5.0
 # An API key never travels in what Ray stores: replicas and proxies read it on their nodes (replica.py).
-KEY_IN_CONFIG = ("--api-key {where} would put the key in {what}: set SPECDEC_API_KEYS_FILE (a keys file on every "
-                 "node), SPECDEC_API_KEYS or SPECDEC_API_KEY where each node's `ray start` runs, or pass "
-                 "--api-keys-file PATH (the file at that path on every node).")
+KEY_IN_CONFIG = ("{flag} {where} would put the key in {what}: set SPECDEC_API_KEYS_FILE (a keys file on every "
+                 "node), SPECDEC_API_KEYS or SPECDEC_API_KEY (the metrics key: SPECDEC_METRICS_KEY) where each "
+                 "node's `ray start` runs, or pass --api-keys-file PATH (the file at that path on every node).")
 
 
 def deployment_options(spec: ReplicaSpec, scale: ScaleConfig) -> dict:
@@ -100,8 +100,10 @@ def build(args: dict[str, Any]):
     if "flags" in args:
         raise SpecdecError("a Serve config's args are the configuration's sections now (slots, models, engine, "
                            "policy, server, scale; docs/scale-out.md), not `flags`.")
-    if {"api_key", "api_keys"} & set(args.get("server") or {}):
-        raise SpecdecError(KEY_IN_CONFIG.format(where="in a Serve config", what="the config, which Ray stores and "
+    keys = {"api_key", "api_keys", "metrics_key"} & set(args.get("server") or {})
+    if keys:
+        flag = "--metrics-key" if keys == {"metrics_key"} else "--api-key"
+        raise SpecdecError(KEY_IN_CONFIG.format(flag=flag, where="in a Serve config", what="the config, which Ray stores and "
                                                 "shows (`serve config`, the dashboard)"))
     sections = {name: value for name, value in args.items() if name != "config"}
     config = load_config(file=args.get("config"), mapping=sections, keys=True, ray=True)

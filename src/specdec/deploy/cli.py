@@ -10,13 +10,14 @@ import logging
 import os
 import signal
 import threading
+from typing import Optional
 
 from specdec.config import SpecdecConfig
 from specdec.deploy.app import KEY_IN_CONFIG, build_application
 from specdec.deploy.proxy import CALLBACK, CALLBACK_ENV, proxy_environment
 from specdec.deploy.replica import ReplicaSpec, replica_spec
 from specdec.deploy.scale import ScaleConfig
-from specdec.server.tenants import API_KEY_ENV, API_KEYS_FILE_ENV
+from specdec.server.tenants import API_KEY_ENV, API_KEYS_FILE_ENV, METRICS_KEY_ENV
 from specdec.types import SpecdecError
 
 logger = logging.getLogger("specdec.deploy")
@@ -32,6 +33,8 @@ def local_ray_environment(config: SpecdecConfig, spec: ReplicaSpec) -> dict[str,
         environment[API_KEY_ENV] = config.server.api_key
     if spec.api_keys_file:
         environment[API_KEYS_FILE_ENV] = spec.api_keys_file
+    if config.server.metrics_key:
+        environment[METRICS_KEY_ENV] = config.server.metrics_key
     return environment
 
 
@@ -65,13 +68,14 @@ def deploy(host: str, port: int, spec: ReplicaSpec, scale: ScaleConfig) -> None:
                 else f"{scale.replicas} replicas")
 
 
-def run(config: SpecdecConfig, key_on_command_line: bool = False) -> int:
+def run(config: SpecdecConfig, key_on_command_line: Optional[str] = None) -> int:
+    """`key_on_command_line`: the flag that gave a key (--api-key or --metrics-key), if one did."""
     import ray
     from ray import serve
 
     scale = config.scale
     if scale.address is not None and key_on_command_line:
-        raise SpecdecError(KEY_IN_CONFIG.format(where="with --address", what="the deployment's arguments, which "
+        raise SpecdecError(KEY_IN_CONFIG.format(flag=key_on_command_line, where="with --address", what="the deployment's arguments, which "
                                                 "Ray stores on the cluster"))
     spec = replica_spec(config)  # bad settings fail before Ray starts
     stop = threading.Event()

@@ -23,7 +23,9 @@ from specdec.deploy.metrics import HubLink
 from specdec.engine.engine import Engine
 from specdec.server.app import create_app
 from specdec.server.config import ServerConfig
-from specdec.server.tenants import API_KEY_ENV, API_KEYS_ENV, API_KEYS_FILE_ENV, DEFAULT_TENANT, configured_keys
+from specdec.server.tenants import (
+    API_KEY_ENV, API_KEYS_ENV, API_KEYS_FILE_ENV, DEFAULT_TENANT, METRICS_KEY_ENV, configured_keys, configured_metrics_key,
+)
 from specdec.types import SpecdecError
 
 logger = logging.getLogger("specdec.deploy")
@@ -42,6 +44,7 @@ class ReplicaSpec:
     # others, or none, refuses to start rather than serve under them (names only, never keys; more
     # keys of the same tenants, a rotation, are fine).
     key_tenants: tuple[str, ...] = ()
+    metrics_key: bool = False  # started with a metrics key: a replica whose node has none refuses to start
 
     @property
     def models(self) -> ModelConfig:
@@ -76,16 +79,17 @@ def replica_spec(config: SpecdecConfig) -> ReplicaSpec:
     if models.threads is not None and models.threads != scale.threads_per_replica:
         raise SpecdecError("with --ray, a replica's threads are --threads-per-replica; drop --threads.")
     api_keys_file = server.api_keys_file or os.environ.get(API_KEYS_FILE_ENV)
-    stored = replace(server, api_key=None, api_keys=(),
+    stored = replace(server, api_key=None, api_keys=(), metrics_key=None,
                      api_keys_file=str(Path(api_keys_file).resolve()) if api_keys_file else None)
     return ReplicaSpec(replace(config, models=replace(models, threads=scale.threads_per_replica), server=stored),
-                       key_tenants(server.api_key, server.api_keys))
+                       key_tenants(server.api_key, server.api_keys), server.metrics_key is not None)
 
 
 def keys_on_this_node(spec: ReplicaSpec, environ: Optional[Mapping[str, str]] = None) -> ServerConfig:
     """The replica's server settings with the keys of this node: those of its environment (the
-    environment its `ray start` ran in: SPECDEC_API_KEY, SPECDEC_API_KEYS, SPECDEC_API_KEYS_FILE)
-    and of `spec.api_keys_file`. Other tenants than the deployment was started with are an error."""
+    environment its `ray start` ran in: SPECDEC_API_KEY, SPECDEC_API_KEYS, SPECDEC_API_KEYS_FILE,
+    SPECDEC_METRICS_KEY) and of `spec.api_keys_file`. Other tenants than the deployment was started
+    with, or no metrics key where it was started with one, are an error."""
     environ = os.environ if environ is None else environ
     api_key, api_keys = configured_keys(None, spec.api_keys_file, environ)
     found = key_tenants(api_key, api_keys)
@@ -94,7 +98,11 @@ def keys_on_this_node(spec: ReplicaSpec, environ: Optional[Mapping[str, str]] = 
             f"this replica's node has API keys of the tenants {list(found)}, but the deployment was started with "
             f"keys of {list(spec.key_tenants)}: give every node the same keys, in the environment of its `ray "
             f"start` ({API_KEYS_FILE_ENV}, {API_KEYS_ENV} or {API_KEY_ENV}) or in a keys file at the same path.")
-    return replace(spec.server, api_key=api_key, api_keys=api_keys)
+    metrics_key = configured_metrics_key(None, api_key, api_keys, environ)
+    if spec.metrics_key and metrics_key is None:
+        raise SpecdecError(f"the deployment was started with a metrics key, but this replica's node has none: set "
+                           f"{METRICS_KEY_ENV} in the environment of its `ray start`.")
+    return replace(spec.server, api_key=api_key, api_keys=api_keys, metrics_key=metrics_key)
 
 
 def import_callable(path: str) -> Callable:

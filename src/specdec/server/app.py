@@ -24,7 +24,7 @@ from specdec.server.playground import PAGE_PATHS
 from specdec.server.playground import router as playground_router
 from specdec.server.routes import STREAM_CHUNKS, ServerState, router
 from specdec.server.scheduler import Scheduler
-from specdec.server.tenants import APIKeys, AuthMiddleware
+from specdec.server.tenants import METRICS_PATH, APIKeys, AuthMiddleware
 
 OPEN_PATHS = frozenset({"/health"}) | PAGE_PATHS  # the playground's files: a browser opens them without a key
 logger = logging.getLogger("specdec.server")
@@ -82,8 +82,9 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None,
     # Outermost last: every request is counted; its Host is checked first (DNS rebinding), then its
     # key (a 401 before the body is read), then its body's size and pace.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout)
-    open_paths = OPEN_PATHS | ({"/metrics"} if config.public_metrics else set())
-    app.add_middleware(AuthMiddleware, keys=APIKeys.of(config.api_key, config.api_keys), open_paths=frozenset(open_paths))
+    open_paths = OPEN_PATHS | ({METRICS_PATH} if config.public_metrics else set())
+    app.add_middleware(AuthMiddleware, keys=APIKeys.of(config.api_key, config.api_keys), open_paths=frozenset(open_paths),
+                       metrics_key=config.metrics_key)
     if config.allowed_hosts is not None:
         app.add_middleware(HostAllowListMiddleware, allowed=config.allowed_hosts)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)

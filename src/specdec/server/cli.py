@@ -13,7 +13,7 @@ from specdec.config import SpecdecConfig
 from specdec.config_flags import Setting, Switch, add_method_arguments, add_model_arguments, config_from_args
 from specdec.deploy.scale import ScaleConfig  # no Ray there: plain `specdec serve` never imports it
 from specdec.server.config import LOG_LEVELS, ServerConfig
-from specdec.server.tenants import API_KEY_ENV, API_KEYS_ENV, API_KEYS_FILE_ENV
+from specdec.server.tenants import API_KEY_ENV, API_KEYS_ENV, API_KEYS_FILE_ENV, METRICS_KEY_ENV
 
 SERVER = ServerConfig()  # the flags' defaults
 SCALE = ScaleConfig()
@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "anonymous history); default: anonymous requests share nothing")
     parser.add_argument("--public-metrics", action=Switch, key="server.public_metrics",
                         help="serve /metrics without the API key")
+    parser.add_argument("--metrics-key", default=None, action=Setting, key="server.metrics_key",
+                        help=f"the key /metrics takes (no tenant's key reads it: it shows every tenant's traffic); "
+                             f"prefer {METRICS_KEY_ENV}: a flag is visible in the process list")
     parser.add_argument("--allowed-hosts", default="", metavar="NAMES", action=Setting, key="server.allowed_hosts",
                         to_value=lambda text: tuple(name.strip() for name in text.split(",") if name.strip()),
                         help="Host header names answered besides the loopback ones (comma-separated, `*.example.com` "
@@ -154,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ray:
         from specdec.deploy.cli import run as run_on_ray  # the only way in which this command imports Ray
 
-        return run_on_ray(config, key_on_command_line=args.api_key is not None)
+        flag = "--api-key" if args.api_key is not None else "--metrics-key" if args.metrics_key is not None else None
+        return run_on_ray(config, key_on_command_line=flag)
     from specdec import runtime
     from specdec.server.app import create_app
     from specdec.server.drain import make_server

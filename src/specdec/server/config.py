@@ -27,6 +27,9 @@ class ServerConfig:
     # (nobody drafts from another's text); True lets all anonymous requests share one.
     shared_history: bool = False
     public_metrics: bool = False  # /metrics without the key when keys are set
+    # The one key /metrics takes when set (no tenant's key: /metrics shows every tenant's traffic);
+    # unset, tenant keys read it only while they are all one tenant's (server/tenants.py).
+    metrics_key: Optional[str] = field(default=None, repr=False)
     # Host header values accepted (exact names, or "*.example.com"); None accepts any. The CLI
     # sets the loopback names for a loopback bind (DNS rebinding).
     allowed_hosts: Optional[tuple[str, ...]] = None
@@ -51,7 +54,7 @@ class ServerConfig:
     # uvicorn (`specdec serve` only; a Ray proxy has its own):
     header_timeout: float = 10.0  # seconds for a request's headers to arrive once its first byte has
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open (uvicorn's default)
-    limit_concurrency: Optional[int] = 1024  # connections (and requests) at once; beyond that uvicorn answers 503
+    limit_concurrency: Optional[int] = 1024  # connections (and requests) at once; beyond that 503, /health excepted (connections.py)
     max_header_bytes: int = 16 * 1024  # request line and headers still arriving (h11's bound; past it: 400)
 
     def validate(self) -> None:

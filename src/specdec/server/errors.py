@@ -95,7 +95,10 @@ def register_field_names(names) -> None:
 
 def _param(loc: tuple) -> Optional[str]:
     parts: list[str] = []
-    for item in loc[1:] if loc and loc[0] == "body" else loc:
+    items = loc[1:] if loc and loc[0] == "body" else loc
+    for i, item in enumerate(items):
+        if i and item == items[i - 1] and isinstance(item, str):
+            continue  # a union's tag named as its field (response_format's "json_schema")
         if isinstance(item, int):
             parts.append(f"[{item}]")
         elif item in _FIELD_NAMES or not _UNION_TAG.match(str(item)):

@@ -172,6 +172,7 @@ if TYPE_CHECKING:
     AnySlot = Optional[int]
     NPredict = Optional[int]
     NIndent = Optional[int]
+    Int32 = Optional[int]
     OneOnlyNumber = Optional[float]
     ZeroOnlyNumber = Optional[float]
 else:
@@ -187,6 +188,7 @@ else:
     AnySlot = _neutral(Optional[Int], "-1 (any slot)", lambda v: v == -1, [{"const": -1}])
     NPredict = Optional[integer(ge=-1, le=TOKEN_LIMIT)]
     NIndent = Optional[integer(ge=0, le=TOKEN_LIMIT)]
+    Int32 = Optional[integer(ge=-TOKEN_LIMIT - 1, le=TOKEN_LIMIT)]  # llama-server's int fields: a huge one is a 400
     OneOnlyNumber = _neutral_number(1.0)
     ZeroOnlyNumber = _neutral_number(0.0)
 
@@ -211,8 +213,8 @@ class InfillRequest(_Strict):
     n_predict: NPredict = None  # -1: until the context or the server's --max-tokens cap
     max_tokens: NPredict = None  # llama-server's alias of n_predict
     n_indent: NIndent = None
-    t_max_predict_ms: Optional[Int] = None
-    t_max_prompt_ms: Optional[Int] = None
+    t_max_predict_ms: Int32 = None
+    t_max_prompt_ms: Int32 = None
     temperature: Temperature = None
     top_k: TopK = None
     top_p: TopP = None
@@ -228,8 +230,8 @@ class InfillRequest(_Strict):
     speculative_decoding: SpeculativeField = None
     # Samplers this server does not run, at the values that switch them off (llama-server's defaults).
     repeat_penalty: OneOnlyNumber = None
-    repeat_last_n: Optional[Int] = None
-    penalty_last_n: Optional[Int] = None  # llama.vim's name for repeat_last_n
+    repeat_last_n: Int32 = None
+    penalty_last_n: Int32 = None  # llama.vim's name for repeat_last_n
     penalize_nl: Optional[bool] = None
     frequency_penalty: Penalty = None
     presence_penalty: Penalty = None
@@ -243,8 +245,8 @@ class InfillRequest(_Strict):
     xtc_threshold: AnyNumber = None
     dry_multiplier: ZeroOnlyNumber = None
     dry_base: AnyNumber = None
-    dry_allowed_length: Optional[Int] = None
-    dry_penalty_last_n: Optional[Int] = None
+    dry_allowed_length: Int32 = None
+    dry_penalty_last_n: Int32 = None
     dry_sequence_breakers: Optional[list[str]] = None
     top_n_sigma: NotAboveZero = None
     min_keep: AtMostOne = None
@@ -255,8 +257,8 @@ class InfillRequest(_Strict):
     json_schema: EmptyObject = None
     lora: EmptyList = None
     id_slot: AnySlot = None
-    n_keep: Optional[Int] = None  # context shifting, which this server never does (a prompt must fit)
-    n_discard: Optional[Int] = None
+    n_keep: Int32 = None  # context shifting, which this server never does (a prompt must fit)
+    n_discard: Int32 = None
     timings_per_token: FalseOnly = None
 
 

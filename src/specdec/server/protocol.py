@@ -18,8 +18,8 @@ from pydantic.config import JsonDict, JsonValue
 
 from specdec.server.errors import register_field_names
 from specdec.server.tools import (
-    CalledFunction, FunctionChoice, FunctionDefinition, MessageToolCall, NamedToolChoice, ToolCall, ToolCallDelta,
-    ToolChoice, ToolDefinition, Tools,
+    MAX_SCHEMA_DEPTH, CalledFunction, FunctionChoice, FunctionDefinition, MessageToolCall, NamedToolChoice, ToolCall,
+    ToolCallDelta, ToolChoice, ToolDefinition, Tools, json_depth,
 )
 
 MAX_STOP_STRINGS = 4
@@ -156,13 +156,24 @@ class JSONObjectResponseFormat(_Strict):
 MAX_SCHEMA_NAME = 64
 
 
+def _shallow(value):
+    # before anything walks it: a schema nested ~1000 deep overflows json.dumps (a 500, not a 400)
+    if json_depth(value) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"the schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
+    return value
+
+
+ResponseSchema = Annotated[Optional[dict[str, Any]], BeforeValidator(_shallow), Field(
+    alias="schema", description=f"a JSON Schema, nesting at most {MAX_SCHEMA_DEPTH} deep")]
+
+
 class JSONSchemaSpec(_Strict):
     """OpenAI's `json_schema`: the schema is enforced token by token whether or not `strict` is set."""
 
     model_config = ConfigDict(populate_by_name=True)
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]+$", min_length=1, max_length=MAX_SCHEMA_NAME)]
     description: Optional[str] = None
-    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    json_schema: ResponseSchema = None
     strict: Optional[bool] = None
 
 

@@ -18,6 +18,11 @@ Formats, the same for the file and the variable:
 A key is never logged, never in an error message, never in a repr. `AuthMiddleware` checks the
 `Authorization` header (a case-insensitive `Bearer` scheme; two such headers are a 400, since a
 key check and a tenant could read different ones) and records the tenant in the request's state.
+
+/metrics shows every tenant's traffic, so it takes a key of its own, `--metrics-key` /
+`SPECDEC_METRICS_KEY` (no tenant's key: a tenant's gets a 403). Without one, tenant keys read it
+only while every key is one tenant's; with keys of several tenants it is a 403 naming
+--metrics-key and --public-metrics. `--public-metrics` serves it to anyone.
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ logger = logging.getLogger("specdec.server")
 API_KEY_ENV = "SPECDEC_API_KEY"  # one key, tenant "default"
 API_KEYS_ENV = "SPECDEC_API_KEYS"  # the keys file's text
 API_KEYS_FILE_ENV = "SPECDEC_API_KEYS_FILE"  # a keys file's path
+METRICS_KEY_ENV = "SPECDEC_METRICS_KEY"  # the key /metrics takes
+METRICS_PATH = "/metrics"
 DEFAULT_TENANT = "default"
 TENANT_STATE = "specdec_tenant"  # the key of the tenant's name in the ASGI scope's "state"
 
@@ -132,6 +139,21 @@ def configured_keys(api_key: Optional[str] = None, keys_file: Optional[str] = No
     return single, tuple(pairs)
 
 
+def configured_metrics_key(metrics_key: Optional[str], api_key: Optional[str], pairs: Iterable[tuple[str, str]],
+                           environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The key /metrics takes: `metrics_key` (else $SPECDEC_METRICS_KEY), never a tenant's key."""
+    environ = os.environ if environ is None else environ
+    key = metrics_key or environ.get(METRICS_KEY_ENV) or None
+    if key is None:
+        return None
+    source = "--metrics-key" if metrics_key else METRICS_KEY_ENV
+    if not _KEY.match(key):
+        raise SpecdecError(f"{source} must be 1-512 visible ASCII characters, without spaces or commas.")
+    if key == api_key or any(key == tenant_key for tenant_key, _ in pairs):
+        raise SpecdecError(f"{source} is also a tenant's API key; the metrics key must be a key of its own.")
+    return key
+
+
 class APIKeys:
     """Key -> tenant. Only SHA-256 digests of the keys are kept; a lookup compares the digest of
     the token with every key's, in constant time, so the time taken does not say which key (or
@@ -179,36 +201,65 @@ INVALID_KEY = APIError(401, "a valid API key is required: send `Authorization: B
                        "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
 
-def authenticate(headers: Iterable[tuple[bytes, bytes]], keys: APIKeys) -> tuple[Optional[str], Optional[APIError]]:
-    """(tenant, None) for a request with a valid key (tenant None: no keys are configured), or
-    (None, the error to answer)."""
+METRICS_FORBIDDEN = APIError(403, "/metrics shows every tenant's traffic: a tenant's API key cannot read it. Scrape "
+                             "with the metrics key (--metrics-key or SPECDEC_METRICS_KEY), or serve /metrics to "
+                             "anyone with --public-metrics.", "invalid_request_error", None, "metrics_key_required")
+
+
+def presented_token(headers: Iterable[tuple[bytes, bytes]]) -> tuple[Optional[str], Optional[APIError]]:
+    """(the key the request sends or None, None), or (None, the error to answer)."""
     headers = list(headers)
     values = [value for name, value in headers if name.lower() == b"authorization"]
     # Anthropic's clients send the key as `x-api-key` (Claude Code, the anthropic SDK).
     api_keys = [value for name, value in headers if name.lower() == b"x-api-key"]
     if len(values) > 1 or len(api_keys) > 1:
         return None, DUPLICATE_AUTHORIZATION
-    if not keys:
-        return None, None
     if values:
-        token = bearer_token(values[0])
-    else:
-        token = api_keys[0].decode("latin-1").strip() or None if api_keys else None
+        return bearer_token(values[0]), None
+    return (api_keys[0].decode("latin-1").strip() or None if api_keys else None), None
+
+
+def authenticate(headers: Iterable[tuple[bytes, bytes]], keys: APIKeys) -> tuple[Optional[str], Optional[APIError]]:
+    """(tenant, None) for a request with a valid key (tenant None: no keys are configured), or
+    (None, the error to answer)."""
+    token, error = presented_token(headers)
+    if error is not None or not keys:
+        return None, error
     tenant = keys.tenant_of(token)
     return (tenant, None) if tenant is not None else (None, INVALID_KEY)
 
 
+def metrics_access(headers: Iterable[tuple[bytes, bytes]], keys: APIKeys, metrics_key: APIKeys) -> Optional[APIError]:
+    """None when the request may read /metrics (module docstring), else the error to answer."""
+    token, error = presented_token(headers)
+    if error is not None:
+        return error
+    if metrics_key:
+        if metrics_key.tenant_of(token) is not None:
+            return None
+    elif not keys or (len(keys.tenants) == 1 and keys.tenant_of(token) is not None):
+        return None
+    return METRICS_FORBIDDEN if keys.tenant_of(token) is not None else INVALID_KEY
+
+
 class AuthMiddleware:
     """Every route but `open_paths` needs a valid key when keys are configured; the tenant of the
-    key goes into the request's state (`scope["state"][TENANT_STATE]`), where routes read it."""
+    key goes into the request's state (`scope["state"][TENANT_STATE]`), where routes read it.
+    /metrics, unless open, takes the metrics key (`metrics_access`)."""
 
-    def __init__(self, app, keys: APIKeys, open_paths: frozenset[str]):
+    def __init__(self, app, keys: APIKeys, open_paths: frozenset[str], metrics_key: Optional[str] = None):
         self.app = app
         self.keys = keys
         self.open_paths = open_paths
+        self.metrics_key = APIKeys([(metrics_key, "metrics")] if metrics_key else [])  # digest only, as tenants'
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope.get("path") == METRICS_PATH and METRICS_PATH not in self.open_paths:
+            error = metrics_access(scope.get("headers") or (), self.keys, self.metrics_key)
+            if error is not None:
+                return await error_response(error, METRICS_PATH)(scope, receive, send)
             return await self.app(scope, receive, send)
         tenant, error = authenticate(scope.get("headers") or (), self.keys)
         if error is not None and not (error is INVALID_KEY and scope.get("path") in self.open_paths):

@@ -168,7 +168,7 @@ def calls_finish_reason(finish_reason: _Reason, calls: int) -> Union[_Reason, Li
     return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
-def _depth(value: Any) -> int:
+def json_depth(value: Any) -> int:
     """Nesting of objects and arrays, counted without recursion (a hostile schema may nest deeply)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -194,7 +194,7 @@ def _parameters(function: FunctionDefinition, param: str) -> dict:
     if schema.get("type") != "object":
         raise bad_request(f'{param}: must be a JSON Schema with "type": "object" (the arguments are a JSON object).',
                           param)
-    if _depth(schema) > MAX_SCHEMA_DEPTH:
+    if json_depth(schema) > MAX_SCHEMA_DEPTH:
         raise bad_request(f"{param}: the schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep.", param,
                           INVALID_TOOLS)
     return schema
@@ -261,7 +261,7 @@ def _arguments_value(arguments: str) -> Any:
     except (ValueError, RecursionError):
         return arguments  # not JSON (a call cut short, say): the template gets the text as it is
     # nested past what a template's tojson (inside Jinja's own frames) surely can write: the text
-    return arguments if _depth(value) > 2 * MAX_SCHEMA_DEPTH else value
+    return arguments if json_depth(value) > 2 * MAX_SCHEMA_DEPTH else value
 
 
 def template_messages(messages) -> list[dict]:
