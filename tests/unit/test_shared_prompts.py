@@ -5,7 +5,7 @@ n > 1 request). Texts stay those of each request served alone."""
 from specdec.backends.fake import FakeBackend
 from specdec.engine.core import Failed
 from specdec.engine.engine import Engine
-from specdec.types import GenerationRequest, SamplingParams, SpecConfig
+from specdec.types import GenerationRequest, SamplingParams, SpecConfig, SpecdecError
 
 BLOCK = 8
 SYSTEM = tuple(range(40, 90))  # 50 tokens: six whole blocks
@@ -108,3 +108,33 @@ def test_without_sharing_each_slot_computes_its_own_prompt():
     results = run_together(engine, [req(method="off"), req(method="off")])
     assert [stats["cached_prompt_tokens"] for _, stats in results] == [0, 0]
     assert prompt_rows(engine.target, 1) >= len(SYSTEM) - 1
+
+
+class NoRoomFor(FakeBackend):
+    """A shared cache with no room left for one sequence's next positions (cell_blocks.py's error)."""
+
+    def __init__(self, seq_id, **kwargs):
+        super().__init__(**kwargs)
+        self.full_for = seq_id
+
+    def reserve(self, seq_id, end):
+        if seq_id == self.full_for and end > len(SYSTEM) + 2:
+            raise SpecdecError(f"the shared KV cache has no free block after sequence {seq_id}'s last one")
+
+
+def test_a_sequence_the_cache_cannot_place_fails_alone_and_the_forward_goes_on():
+    engine = Engine(NoRoomFor(1, seed=5), n_slots=2)
+    core = engine.core
+    kept, cut = core.add(req((1, 2, 3), method="off")), core.add(req((4, 5, 6), method="off"))
+    tokens, outcome = [], {}
+    while len(outcome) < 2:
+        for handle, item in core.step():
+            if isinstance(item, Failed):
+                outcome[handle] = item.error
+                continue
+            if handle == kept:
+                tokens += getattr(item, "token_ids", [])
+            if getattr(item, "finish_reason", None) is not None:
+                outcome[handle] = item.finish_reason
+    assert outcome[kept] == "length" and tokens == alone(req((1, 2, 3), method="off"))
+    assert isinstance(outcome[cut], SpecdecError) and "no free block" in str(outcome[cut])

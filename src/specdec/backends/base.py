@@ -68,6 +68,10 @@ class Backend(ABC):
         extend (positions another sequence shares may pin more of it)."""
         return length
 
+    def reserve(self, seq_id: int, end: int) -> None:
+        """Make room for seq_id's positions < end before a forward it shares with other sequences:
+        a SpecdecError here fails that sequence alone, where inside the forward it would fail all."""
+
     def eval_many(self, requests: Sequence[tuple[int, int, Sequence[int]]], *, prefill: bool = False) -> list[np.ndarray]:
         """Evaluate several sequences' (seq_id, start, tokens); backends that can batch them override this."""
         return [self.eval(seq_id, start, tokens, prefill=prefill) for seq_id, start, tokens in requests]

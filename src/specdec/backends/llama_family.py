@@ -228,6 +228,11 @@ class LlamaFamilyBackend(Backend):
         first = min(self._cell_blocks.first_cell(seq) for seq in set(local))
         return (ctypes.c_int32 * len(chosen))(*chosen), first, max(chosen) + 1 - first
 
+    def reserve(self, seq_id: int, end: int) -> None:
+        if self.rules.cell_ranges and end > 0:
+            local_id = self._context_of(seq_id)[1]
+            library_thread.call(self._cell_blocks.cells, local_id, [end - 1])  # takes the blocks up to `end`
+
     def truncate(self, seq_id: int, length: int) -> None:
         ctx, local_id = self._context_of(seq_id)
         library_thread.call(self._truncate, ctx, local_id, length)

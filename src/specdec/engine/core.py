@@ -327,6 +327,13 @@ class EngineCore:
             if tokens is not None:
                 running.append(handle)
                 plans.append(tokens)
+        # Cells taken before the shared forward: a sequence with no room fails alone, not the forward.
+        target = self.engine.target
+        for handle, tokens in zip(running, plans):
+            sequence = self._active[handle].admitted.target
+            self._guarded(items, handle, target.reserve, sequence.seq_id, len(sequence.tokens) + len(tokens))
+        placed = [(handle, tokens) for handle, tokens in zip(running, plans) if not self._failed(items, handle)]
+        running, plans = [handle for handle, _ in placed], [tokens for _, tokens in placed]
         if not running:
             return
         generations = [self._active[handle].admitted for handle in running]
