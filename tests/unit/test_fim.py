@@ -166,6 +166,16 @@ def test_suffix_with_echo_is_a_400(server):
     assert response.status_code == 400 and error["param"] == "suffix" and error["code"] == "fim_unsupported"
 
 
+def test_a_suffix_beside_token_ids_is_measured_before_it_is_tokenized(server, monkeypatch):
+    tokenized = []
+    monkeypatch.setattr(FakeBackend, "tokenize", lambda self, text, **kw: tokenized.append(len(text)) or [1])
+    body = {"model": MODEL, "prompt": [1, 2, 3], "suffix": "x" * 2_000_000, "max_tokens": 4, **GREEDY}
+    response = post(server, "/v1/completions", body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "suffix" and error["code"] == "context_length_exceeded"
+    assert not [n for n in tokenized if n >= 2_000_000]
+
+
 # -- /infill -------------------------------------------------------------------------------------
 INFILL = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 40, **GREEDY}
 

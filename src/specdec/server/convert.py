@@ -62,10 +62,13 @@ def check_prompt_size(engine: Engine, config: ServerConfig, body: Union[ChatComp
             if len(prompt) >= n_ctx:
                 raise bad_request(f"prompt: the prompt has {len(prompt)} tokens but the context holds only {n_ctx}.",
                                   param, "context_length_exceeded")
-            return
-        # cast: text here, as prompts_of splits a list of token lists into one prompt each
-        text = cast(str, prompt[0] if isinstance(prompt, list) else prompt)
-        size = _utf8_size(text) + _utf8_size(body.suffix or "")
+            if not body.suffix:
+                return
+            param, size = "suffix", _utf8_size(body.suffix)  # text beside token ids: measured all the same
+        else:
+            # cast: text here, as prompts_of splits a list of token lists into one prompt each
+            text = cast(str, prompt[0] if isinstance(prompt, list) else prompt)
+            size = _utf8_size(text) + _utf8_size(body.suffix or "")
     limit = prompt_byte_limit(n_ctx, config.max_prompt_bytes)
     if size > limit:
         raise bad_request(f"{param}: the prompt is {size} bytes of text; this server takes at most {limit} "
