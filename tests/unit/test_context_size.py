@@ -161,14 +161,7 @@ def test_the_kv_shape_from_a_hugging_face_config(tmp_path):
 
 
 # -- the configuration ------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch, tmp_path):
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("SPECDEC_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
+from test_config import clean_environment  # noqa: E402, F401  (autouse: no SPECDEC_ setting from the machine)
 
 
 NAMED = {"models.backend.backend": "llama.cpp"}
