@@ -1,7 +1,9 @@
-"""A running server moves onto a better build at an idle moment (server/upgrade.py): requests
-before, during and after the switch are all answered, each exactly, and the old engine is
-closed only once nothing can still use it."""
+"""A running server moves onto a better build (server/upgrade.py): loaded and measured beside the
+serving engine, swapped in when nothing runs; requests before, during and after the switch are
+all answered, each exactly, and the old engine is closed only once no request can still use it."""
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -10,7 +12,7 @@ from fakes.threads import in_thread, wait_until
 
 from specdec.backends.fake import FakeBackend
 from specdec.engine.engine import Engine
-from specdec.server import ServerConfig, create_app, scheduler as scheduler_module, upgrade
+from specdec.server import ServerConfig, create_app, upgrade
 from specdec.server.testing import serve_in_thread
 from specdec.types import GenerationRequest, SpecConfig
 
@@ -25,7 +27,7 @@ class ClosingFake(FakeBackend):
 
     def eval(self, seq_id, start, tokens, *, prefill=False):
         assert not self.closed, "a closed engine was used"
-        time.sleep(self.delay)
+        time.sleep(self.delay * (1 + 0.2 * len(tokens)))  # longer forwards cost more, as a calibration expects
         return super().eval(seq_id, start, tokens, prefill=prefill)
 
     def close(self):
@@ -42,50 +44,84 @@ def expected_text(max_tokens=40):
     return engine.generate(GenerationRequest(tuple(ids), max_tokens, spec=SpecConfig("off", 0))).text
 
 
-def test_the_server_switches_engines_when_idle_and_closes_the_old_one_later(monkeypatch):
-    monkeypatch.setattr(scheduler_module, "RETIRED_ENGINE_SECONDS", 0.3)
+def measured(engine):
+    return engine.measure_costs()
+
+
+def test_the_new_build_is_loaded_beside_the_serving_engine_and_swapped_when_nothing_runs():
     old_backend, new_backend = ClosingFake(seed=7), ClosingFake(seed=7)
     app = create_app(Engine(old_backend), ServerConfig(served_model_name="fake", spec=SpecConfig("ngram", 3)))
     scheduler = app.state.specdec.scheduler
-    built = []
+    loading, release = threading.Event(), threading.Event()
+    loaded_on = []
 
-    def factory():
-        built.append(time.monotonic())
-        time.sleep(0.2)  # loading and calibrating take a while: requests arriving meanwhile wait
-        return Engine(new_backend)
+    def prepare(engine, library):
+        loaded_on.append(threading.current_thread().name)
+        loading.set()
+        release.wait(30)  # loading and measuring take a while: the old engine serves meanwhile
+        new = Engine(new_backend)
+        return new, measured(new)
 
+    watcher = upgrade.BuildWatcher(scheduler.engine, scheduler.request_switch, poll=0.01, prepare=prepare,
+                                   finished=lambda: Path("/the/build/libllama.so"))
     with serve_in_thread(app) as (url, _):
+        watcher.start()
+        assert loading.wait(10)
+        during = httpx.post(url + "/v1/completions", json=body(), timeout=30)  # answered while the build loads
+        assert during.status_code == 200 and during.json()["choices"][0]["text"] == expected_text()
+        assert scheduler.engine.target is old_backend and loaded_on == ["specdec-build-watcher"]
         running, result = in_thread(httpx.post, url + "/v1/completions", json=body(300), timeout=30)
         wait_until(lambda: scheduler.num_running == 1)
-        scheduler.request_switch(factory)
-        time.sleep(0.1)
-        assert not built  # not while a request runs
+        release.set()
+        wait_until(lambda: scheduler._switch is not None or scheduler.engine.target is new_backend)
+        if scheduler.num_running:  # the swap waits for the running request; it is not failed
+            assert scheduler.engine.target is old_backend
         running.join(30)
-        assert result["value"].status_code == 200
-        wait_until(lambda: built)
-        during = httpx.post(url + "/v1/completions", json=body(), timeout=30)  # queued behind the switch
-        assert during.status_code == 200 and during.json()["choices"][0]["text"] == expected_text()
-        assert app.state.specdec.engine.target is new_backend and scheduler.engine.target is new_backend
+        assert result["value"].status_code == 200 and result["value"].json()["choices"][0]["text"] == expected_text(300)
+        wait_until(lambda: scheduler.engine.target is new_backend)
+        assert app.state.specdec.engine.target is new_backend
         new_backend.eval_calls.clear()
         after = httpx.post(url + "/v1/completions", json=body(), timeout=30)
         assert after.json()["choices"][0]["text"] == expected_text() and new_backend.eval_calls
-        wait_until(lambda: old_backend.closed, timeout=5)
+        wait_until(lambda: old_backend.closed, timeout=5)  # its last request is over
         assert not new_backend.closed
+    watcher.stop()
 
 
-def test_a_failed_switch_keeps_serving_on_the_old_engine():
+def test_the_old_engine_stays_open_while_a_request_begun_before_the_switch_is_in_flight():
+    old_backend, new_backend = ClosingFake(seed=7), ClosingFake(seed=7)
+    app = create_app(Engine(old_backend), ServerConfig(served_model_name="fake", spec=SpecConfig("off", 0)))
+    scheduler = app.state.specdec.scheduler
+    with serve_in_thread(app) as (url, _):
+        tokenizing = scheduler.users.enter()  # a request that read the old engine and is still tokenizing
+        new = Engine(new_backend)
+        scheduler.request_switch(new, measured(new))
+        wait_until(lambda: scheduler.engine.target is new_backend)
+        assert httpx.post(url + "/v1/completions", json=body(), timeout=30).status_code == 200
+        time.sleep(0.2)
+        assert not old_backend.closed
+        scheduler.users.leave(tokenizing)
+        wait_until(lambda: old_backend.closed, timeout=5)
+
+
+def test_a_build_that_does_not_load_leaves_the_server_serving_on_the_old_engine():
     backend = ClosingFake(seed=7)
     app = create_app(Engine(backend), ServerConfig(served_model_name="fake", spec=SpecConfig("off", 0)))
     scheduler = app.state.specdec.scheduler
+    attempts = []
 
-    def factory():
+    def prepare(engine, library):
+        attempts.append(library)
         raise RuntimeError("the new build does not load")
 
+    watcher = upgrade.BuildWatcher(scheduler.engine, scheduler.request_switch, poll=0.01, prepare=prepare,
+                                   finished=lambda: Path("/the/build/libllama.so"))
     with serve_in_thread(app) as (url, _):
-        scheduler.request_switch(factory)
-        wait_until(lambda: scheduler._switch is None)
+        watcher.start()
+        wait_until(lambda: attempts and not watcher._thread.is_alive())
         response = httpx.post(url + "/v1/completions", json=body(), timeout=30)
         assert response.status_code == 200 and scheduler.engine.target is backend and not backend.closed
+        assert scheduler._switch is None
 
 
 def test_a_build_counts_as_finished_only_when_complete_and_runnable(tmp_path, monkeypatch):

@@ -17,6 +17,16 @@ from typing import Callable, Optional
 from specdec.engine.sequence import CachedSequence
 
 CALIBRATION_TEXT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n" * 2
+# How far a calibration may stray before it is taken for noise (the machine busy with something
+# else while it measured) rather than this machine's costs: v(n) a little below 1 or below an
+# earlier size's, and t(1) within a factor of the last good model's, are a VM's ordinary drift.
+V_FLOOR = 0.95
+V_DROP = 0.7  # v(n) at least this share of the largest v(m), m < n: kernels favour some row counts
+T1_FACTOR = 2.0
+
+
+class CalibrationInterrupted(Exception):
+    """calibrate() stopped early because `interrupted()` said so; the caches are left empty."""
 
 
 @dataclass
@@ -106,12 +116,34 @@ class CostModel:
         }
 
 
+def implausibility(cost: CostModel, last_good: Optional[CostModel] = None) -> Optional[str]:
+    """Why `cost` cannot be this machine's costs (None: it can): a longer forward never costs less
+    than a shorter one beyond noise, and t(1) does not move by a factor between calibrations."""
+    sizes = sorted(n for n in cost.target_seconds if n > 1)
+    highest, at = 1.0, 1
+    for n in sizes:
+        v = cost.relative(n)
+        if v < V_FLOOR:
+            return f"v({n}) {v:.2f} is below 1"
+        if v < V_DROP * highest:
+            return f"v({n}) {v:.2f} is below v({at}) {highest:.2f}"
+        if v > highest:
+            highest, at = v, n
+    if last_good is not None:
+        ratio = cost.target(1) / last_good.target(1)
+        if not 1 / T1_FACTOR <= ratio <= T1_FACTOR:
+            return (f"t(1) {cost.target(1) * 1e3:.1f} ms is {ratio:.1f}x the last good model's "
+                    f"{last_good.target(1) * 1e3:.1f} ms")
+    return None
+
+
 def calibrate(
     target: CachedSequence,
     draft: Optional[CachedSequence],
     max_tokens: int = 16,
     repeats: int = 4,
     clock: Callable[[], float] = time.perf_counter,
+    interrupted: Optional[Callable[[], bool]] = None,
 ) -> CostModel:
     """Time target forwards over 1..max_tokens tokens (and draft steps) after a scratch prompt.
     About 15 s for the default pair on a 2-core CPU.
@@ -119,7 +151,8 @@ def calibrate(
     Each n is timed right after a one-token forward, and v(n) is the median over repeats of the
     two's ratio, sizes taken in reverse order on odd repeats: on a VM whose step time drifts by
     20 %, ratios of independent minima (lucky one-token steps) made v(n) look dearer by up to 15 %.
-    Leaves both caches empty.
+    Leaves both caches empty. `interrupted` is asked between forwards (a server calibrating at an
+    idle moment stops for a request): once it says so, CalibrationInterrupted is raised.
     """
     n_ctx = target.backend.n_ctx
     max_tokens = max(1, min(max_tokens, n_ctx // 2 - 1))
@@ -128,6 +161,11 @@ def calibrate(
     probe = (prompt * max_tokens)[:max_tokens]
 
     def timed(tokens) -> float:
+        if interrupted is not None and interrupted():
+            target.clear()
+            if draft is not None:
+                draft.clear()
+            raise CalibrationInterrupted()
         target.truncate(len(prompt))
         t0 = clock()
         target.extend(tokens)
@@ -154,6 +192,9 @@ def calibrate(
         draft_prefill = (clock() - t0) / len(prompt)
         samples = []
         for token in probe:
+            if interrupted is not None and interrupted():
+                draft.clear()
+                raise CalibrationInterrupted()
             t0 = clock()
             draft.extend([token])
             samples.append(clock() - t0)

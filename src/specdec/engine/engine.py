@@ -161,12 +161,17 @@ class Engine:
         return self.slots[0].target
 
     def calibrate(self, slot: int = 0) -> CostModel:
-        """Measure this machine's forward costs (a few seconds) for the adaptive method `auto`.
+        """Measure this machine's forward costs (a few seconds) and let the adaptive method `auto`
+        price with them."""
+        return self.use_cost_model(self.measure_costs(slot))
+
+    def measure_costs(self, slot: int = 0, interrupted: Optional[Callable[[], bool]] = None) -> CostModel:
+        """This machine's forward costs, measured (cost_model.calibrate), not yet used.
 
         Uses the slot's caches as scratch space: call it for a slot that is not generating.
         """
         scratch = self.slots[slot]
-        return self.use_cost_model(calibrate(scratch.target, scratch.draft, clock=self.clock))
+        return calibrate(scratch.target, scratch.draft, clock=self.clock, interrupted=interrupted)
 
     def use_cost_model(self, cost: CostModel) -> CostModel:
         """Let `auto` price its proposals with `cost`: just measured, or saved by an earlier

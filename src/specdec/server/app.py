@@ -14,6 +14,7 @@ import specdec
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.drain import Drain
+from specdec.server.engine_users import EngineUsersMiddleware
 from specdec.server.errors import install_error_handlers
 from specdec.server.hosts import HostAllowListMiddleware
 from specdec.server.limits import BodyLimitMiddleware
@@ -55,8 +56,9 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None,
         if engine.cost_model is None:
             # Any request may ask for `auto`: measure its costs now, before the first request,
             # rather than in the worker, where it would stall every stream for the ~10 s it takes.
-            cost = await anyio.to_thread.run_sync(engine.calibrate)
-            logger.info("calibrated for auto: %s", cost.summary())
+            scheduler.costs.offer(engine, await anyio.to_thread.run_sync(engine.measure_costs), "start-up")
+        else:
+            scheduler.costs.last_good = engine.cost_model
         scheduler.start()
         # The grammar library's view of the vocabulary (about a second), read before a first
         # structured request would wait for it; serving does not wait.
@@ -79,6 +81,8 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None,
     app.include_router(router)
     app.include_router(llama_server_router)
     app.include_router(playground_router)
+    # Innermost: a request's whole life holds the engine it may have read (engine_users.py).
+    app.add_middleware(EngineUsersMiddleware, users=scheduler.users)
     # Outermost last: every request is counted; its Host is checked first (DNS rebinding), then its
     # key (a 401 before the body is read), then its body's size and pace.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout)

@@ -26,9 +26,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, cast
 
 from specdec.engine import core
+from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
+from specdec.server.engine_users import EngineUsers
 from specdec.server.errors import APIError, bad_request
+from specdec.server.recalibration import CostKeeper
 from specdec.server.tickets import (
     CLIENT_GONE, INTERNAL_ERROR, Failed, QueueFull, Refused, Ticket, not_accepting_error, queue_timeout_error,
     shutting_down_error, stalled_error,
@@ -40,9 +43,6 @@ if TYPE_CHECKING:
     from specdec.server.upgrade import BuildWatcher
 
 logger = logging.getLogger("specdec.server")
-
-RETIRED_ENGINE_SECONDS = 60.0  # longer than any tokenizer call an old engine may still serve
-
 
 @dataclass(frozen=True)
 class Health:
@@ -75,12 +75,15 @@ class Scheduler:
         self._busy: Optional[tuple[float, str]] = None  # (since, stage) while the worker is in an iteration
         self._thread: Optional[threading.Thread] = None
         self._watchdog: Optional[Watchdog] = None
-        # A better build of the backend to move to at the next idle moment (upgrade.py), and the
-        # engines left behind, closed once nothing can still be using them (a tokenizer call).
-        self._switch: Optional[Callable[[], Engine]] = None
+        # A better build of the backend, loaded and measured elsewhere (upgrade.py), to serve on
+        # from the first moment nothing runs; the engines left behind (with the generation of
+        # requests that may still hold them), closed once those requests are over.
+        self._switch: Optional[tuple[Engine, CostModel]] = None
         self._build_watcher: Optional[BuildWatcher] = None
-        self._retired: list[tuple[float, Engine]] = []
+        self._retired: list[tuple[int, Engine]] = []
+        self.users = EngineUsers()  # HTTP requests in flight per engine generation (the app counts them)
         self.engine_listeners: list[Callable[[Engine], None]] = []  # told of the engine switched to
+        self.costs = CostKeeper(clock)  # auto's last good cost model; measured again at idle moments
 
     # -- called from the event loop ------------------------------------------------------------
     @property
@@ -125,10 +128,11 @@ class Scheduler:
 
             self._build_watcher = watch_for_build(self.engine, self.request_switch)
 
-    def request_switch(self, factory: Callable[[], Engine]) -> None:
-        """Move to the engine `factory` makes at the next moment nothing is waiting or running."""
+    def request_switch(self, engine: Engine, measured: CostModel) -> None:
+        """Serve on `engine` (loaded, its costs `measured`) from the first moment nothing runs; the
+        requests waiting then are its first."""
         with self._cond:
-            self._switch = factory
+            self._switch = (engine, measured)
             self._cond.notify()
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Ticket:
@@ -268,9 +272,12 @@ class Scheduler:
                     self._cond.wait(timeout=1.0)
                 if self._stopping:
                     break
-                switch = self._switch if not self._waiting and not self._running else None
+                switch = self._switch if not self._running else None
+                recalibrate = not self._waiting and not self._running and self.costs.due()
             if switch is not None:
-                self._switch_engine(switch)
+                self._switch_engine(*switch)
+            elif recalibrate:
+                self._recalibrate()
             self._close_retired()
             for ticket in self._take_waiting(lambda t: t.cancelled or t.closed):
                 ticket.post(Failed(CLIENT_GONE))  # dropped if the watchdog already ended it
@@ -305,32 +312,39 @@ class Scheduler:
             self._stalled = None
 
     def _idle_work(self) -> bool:
-        return self._switch is not None or any(due <= self.clock() for due, _ in self._retired)
+        return (self._switch is not None or self.costs.due()
+                or any(self.users.done_with(generation) for generation, _ in self._retired))
 
-    def _switch_engine(self, factory: Callable[[], Engine]) -> None:
-        """Load and calibrate the new engine (requests arriving meanwhile wait in the queue), then
-        serve on it; the old one is closed a minute later."""
-        self._busy = (self.clock(), "switching to a better build")
-        try:
-            new = factory()
-        except Exception:
-            logger.exception("could not switch to the new build; serving on as before")
-            return
-        finally:
-            with self._cond:
-                self._switch = None
-                self._busy = None
+    def _switch_engine(self, new: Engine, measured: CostModel) -> None:
+        """Serve on `new` from now on (nothing runs on the old one): between two rounds, no
+        loading here. Its costs are adopted if they check out, else the last good ones."""
+        with self._cond:
+            self._switch = None
+        self.costs.offer(new, measured, "the new build")
         old, self.engine, self.core = self.engine, new, new.core
         for listener in self.engine_listeners:
             listener(new)
-        self._retired.append((self.clock() + RETIRED_ENGINE_SECONDS, old))
+        self._retired.append((self.users.next_generation(), old))  # after the listeners: see engine_users.py
         logger.info("serving on the new build")
 
+    def _recalibrate(self) -> None:
+        """Measure auto's costs again on a free slot; a request arriving meanwhile interrupts it."""
+        self._busy = (self.clock(), "measuring the cost model again")
+        try:
+            self.costs.measure_again(self.engine, slot=0,
+                                     interrupted=lambda: bool(self._waiting) or self._stopping or self._switch is not None)
+        except Exception:
+            logger.exception("measuring the cost model again failed; keeping the one in use")
+            self.costs.due_at = None
+        finally:
+            with self._cond:
+                self._busy = None
+
     def _close_retired(self) -> None:
-        now = self.clock()
-        for due, engine in [entry for entry in self._retired if entry[0] <= now]:
-            self._retired.remove((due, engine))
+        for generation, engine in [entry for entry in self._retired if self.users.done_with(entry[0])]:
+            self._retired.remove((generation, engine))
             engine.close()
+            logger.info("closed the engine served before the switch: its last request is over")
 
     def _admit(self) -> None:
         """Free slots go to waiting requests in arrival order, except that a tenant holding more

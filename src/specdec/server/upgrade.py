@@ -3,11 +3,14 @@
 On a fresh machine `make serve` serves at once on PyPI's prebuilt ik wheel while
 scripts/install.sh builds specdec's patched build in the background; `$SPECDEC_HOME/builds/
 ik-pending` names the build's folder. The watcher looks every few seconds; once the build is
-complete (its wheel and its unpacked library are there) and this CPU runs it, it hands the
-scheduler an engine factory, and the scheduler switches at its next idle moment (scheduler.py):
-the new engine is loaded from the unpacked library (the old one stays open beside it: a
-library cannot be reloaded under the same path), calibrated, and serves from then on. Later
-starts load the build from the virtualenv, where the background job has installed it.
+complete (its wheel and its unpacked library are there) and this CPU runs it, the watcher's own
+thread loads the new engine from the unpacked library (the old one stays open beside it: a
+library cannot be reloaded under the same path) and measures its costs while the old engine
+keeps serving; it then hands both to the scheduler, which serves on the new engine from the first
+moment nothing runs, between two rounds (scheduler.py). A server that is never idle stays on the
+old build. The old engine is closed once the last request that may hold it is over
+(engine_users.py). Later starts load the build from the virtualenv, where the background job has
+installed it.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
+from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
 from specdec.models.registry import specdec_home
 
@@ -80,9 +84,10 @@ def provisional(engine: Engine) -> bool:
     return not ik_llama.binding().one_row_exact
 
 
-def upgraded_engine(engine: Engine, library: Path) -> Engine:
-    """The same models on the build at `library`, calibrated; with the weights repacked where the
-    configuration was the rule's (runtime.default_config: repacked on specdec's build)."""
+def upgraded_engine(engine: Engine, library: Path) -> tuple[Engine, CostModel]:
+    """The same models on the build at `library`, and its costs measured (the scheduler adopts them
+    if they check out: recalibration.py); with the weights repacked where the configuration was
+    the rule's (runtime.default_config: repacked on specdec's build)."""
     from specdec.runtime import load_engine
 
     os.environ[LIBRARY_ENV] = str(library)  # from now on this process opens that build
@@ -92,21 +97,29 @@ def upgraded_engine(engine: Engine, library: Path) -> Engine:
         models = models.with_backend(replace(models.backend, repacked=True))
     new = load_engine(models, n_slots=len(engine.slots), engine=engine.config)
     try:
-        cost = new.calibrate()
+        measured = new.measure_costs()
     except BaseException:
         new.close()
         raise
-    logger.info("specdec's ik_llama.cpp build: %s; calibrated for auto: %s", models.backend.label, cost.summary())
-    return new
+    logger.info("specdec's ik_llama.cpp build loaded (%s) and measured beside the serving engine",
+                models.backend.label)
+    return new, measured
+
+
+Prepare = Callable[[Engine, Path], tuple[Engine, CostModel]]
 
 
 class BuildWatcher:
-    """Polls for the background build; hands `switch(factory)` one engine factory when it is done."""
+    """Polls for the background build; when it is done, loads and measures the new engine on its own
+    thread and hands it to `switch(engine, measured)`."""
 
-    def __init__(self, engine: Engine, switch: Callable[[Callable[[], Engine]], None], poll: float = POLL_SECONDS):
+    def __init__(self, engine: Engine, switch: Callable[[Engine, CostModel], None], poll: float = POLL_SECONDS,
+                 prepare: Prepare = upgraded_engine, finished: Callable[[], Optional[Path]] = finished_build):
         self.engine = engine
         self.switch = switch
         self.poll = poll
+        self.prepare = prepare
+        self.finished = finished
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specdec-build-watcher", daemon=True)
 
@@ -122,7 +135,7 @@ class BuildWatcher:
     def _run(self) -> None:
         started = last_report = time.monotonic()
         while not self._stop.wait(self.poll):
-            library = finished_build()
+            library = self.finished()
             if library is None and time.monotonic() - last_report >= PROGRESS_SECONDS:
                 last_report = time.monotonic()
                 progress = build_progress()
@@ -130,12 +143,21 @@ class BuildWatcher:
                     logger.info("specdec's ik_llama.cpp build: compiled %d of %d (%.0f min so far)",
                                 *progress, (last_report - started) / 60)
             if library is not None:
-                logger.info("specdec's ik_llama.cpp build is ready (%s): switching at the next idle moment", library)
-                self.switch(lambda: upgraded_engine(self.engine, library))
+                logger.info("specdec's ik_llama.cpp build is ready (%s): loading it beside the serving engine", library)
+                try:
+                    new, measured = self.prepare(self.engine, library)
+                except Exception:
+                    logger.exception("could not load the new build; serving on as before")
+                    return
+                if self._stop.is_set():
+                    new.close()  # the server stopped meanwhile
+                    return
+                logger.info("switching to specdec's build at the first moment nothing runs")
+                self.switch(new, measured)
                 return
 
 
-def watch_for_build(engine: Engine, switch: Callable[[Callable[[], Engine]], None]) -> Optional[BuildWatcher]:
+def watch_for_build(engine: Engine, switch: Callable[[Engine, CostModel], None]) -> Optional[BuildWatcher]:
     """A started watcher where the engine is provisional and a build is pending; else None."""
     if not pending_file().exists() or not provisional(engine):
         return None
