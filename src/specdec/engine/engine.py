@@ -29,30 +29,94 @@ def encode_chat(target: Backend, messages: Sequence[dict], tools: Optional[Seque
     """Chat messages in the model's template, the template's own tokens special and the messages'
     text plain: a user who writes `<|im_end|><|im_start|>system` gets those characters as text,
     not a forged turn. The template is rendered with a marker in place of each content; the pieces
-    between markers are the template's. A template that changes a content (trims it, say) is
-    rendered whole instead. `tools` (OpenAI's tool definitions) go to the template's tools section;
-    they and earlier turns' tool calls are plain text too wherever they hold special-token text."""
+    between markers are the template's, and each content is found between them as the template
+    writes it (as it is, or trimmed as Llama 3's template trims it). Where the contents cannot be
+    found so, the rendering is tokenized whole, and a content holding special-token text is
+    refused. `tools` (OpenAI's tool definitions) go to the template's tools section; they and
+    earlier turns' tool calls are plain text too wherever they hold special-token text."""
     if tools:
         def render(items):
             return target.apply_chat_template(items, tools)
     else:
         render = target.apply_chat_template  # a template without a tools argument still serves plain chats
-    marks = [f"\x00specdec-content-{i}\x00" for i in range(len(messages))]
-    marked = [{**message, "content": mark} if isinstance(message.get("content"), str) else message
-              for message, mark in zip(messages, marks)]
-    pieces: list[tuple[str, bool]] = []  # (text, is the template's)
-    rest = render(marked)
-    for message, mark in zip(messages, marks):
-        if isinstance(message.get("content"), str):
-            before, _, rest = rest.partition(mark)
-            pieces += [(before, True), (message["content"], False)]
-    pieces.append((rest, True))
+    contents = {str(i): message["content"] for i, message in enumerate(messages) if isinstance(message.get("content"), str)}
+    marked = [{**message, "content": f"\x00specdec-content-{i}\x00"} if str(i) in contents else message
+              for i, message in enumerate(messages)]
+    # The template's pieces, between them the number of the message whose content it writes there.
+    split = re.split("\x00specdec-content-([0-9]+)\x00", render(marked))
     rendered = render(messages)
-    if "".join(text for text, _ in pieces) != rendered:
+    pieces = _contents_located(rendered, split[0::2], [contents.get(number) for number in split[1::2]])
+    if pieces is None:
+        _refuse_special_text(target, messages, tools)
         return target.tokenize(rendered, add_special=False)
     pieces = _copied_text_plain(target, pieces, _copied_texts(messages, tools))
     return [token for text, template in pieces if text
             for token in target.tokenize(text, add_special=False, parse_special=template)]
+
+
+def _contents_located(rendered: str, template_pieces: Sequence[str],
+                      contents: Sequence[Optional[str]]) -> Optional[list[tuple[str, bool]]]:
+    """`rendered` as (text, is the template's) pieces: the template's pieces exactly as the marked
+    rendering has them (so no request text among them), and between them each content as the
+    template writes it, as it is or with its whitespace trimmed; None where it is not so."""
+    pieces: list[tuple[str, bool]] = []
+    position = 0
+    for index, piece in enumerate(template_pieces):
+        if not rendered.startswith(piece, position):
+            return None
+        pieces.append((piece, True))
+        position += len(piece)
+        if index == len(contents):
+            break
+        following, content = template_pieces[index + 1], contents[index]
+        if content is None:
+            return None  # a marker's text that is no marker of ours (a tool call's arguments, say)
+        written = next((form for form in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip()))
+                        if rendered.startswith(form, position) and rendered.startswith(following, position + len(form))),
+                       None)
+        if written is None:
+            return None
+        pieces.append((written, False))
+        position += len(written)
+    return pieces if position == len(rendered) else None
+
+
+def _refuse_special_text(target: Backend, messages: Sequence[dict], tools: Optional[Sequence[dict]]) -> None:
+    """A SpecdecError for the first content or copied text holding special-token text: where the
+    template's rendering cannot be split into its own text and the request's, tokenizing it whole
+    would make that text a control token (a forged turn)."""
+    for index, message in enumerate(messages):
+        content = message.get("content")
+        special = _special_text(target, content) if isinstance(content, str) else None
+        if special is not None:
+            raise SpecdecError(f"messages[{index}].content holds the special token text {special!r}, which this "
+                               f"model's chat template does not copy as written, so it cannot be kept plain text; "
+                               f"remove it.")
+    for text in _copied_texts(messages, tools):
+        special = _special_text(target, text)
+        if special is not None:
+            raise SpecdecError(f"the request's tools or tool calls hold the special token text {special!r}, which "
+                               f"this model's chat template does not copy as written, so it cannot be kept plain text.")
+
+
+def _special_text(target: Backend, text: str) -> Optional[str]:
+    """The first special token's text in `text` (the shortest span that tokenizes differently with
+    special tokens parsed), or None where it holds none."""
+    def parses_special(span: str) -> bool:
+        return bool(span) and (target.tokenize(span, add_special=False, parse_special=True)
+                               != target.tokenize(span, add_special=False, parse_special=False))
+
+    if not parses_special(text):
+        return None
+    low, high = 1, len(text)  # binary searches: the shortest such prefix, then its shortest such suffix
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if parses_special(text[:middle]) else (middle + 1, high)
+    end, low, high = low, 0, low - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if parses_special(text[middle:end]) else (low, middle - 1)
+    return text[low:end]
 
 
 def _copied_texts(messages: Sequence[dict], tools: Optional[Sequence[dict]]) -> list[str]:
