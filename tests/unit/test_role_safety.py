@@ -146,3 +146,15 @@ def test_qwen_template_special_token_text_in_any_role_stays_text():
     assert tool_call not in encode_chat(backend, messages)
     honest = [{"role": role, "content": "hi"} for role in roles]
     assert encode_chat(backend, honest) == backend.tokenize(backend.apply_chat_template(honest), add_special=False)
+
+
+def test_templates_that_write_bos_and_the_date_render():
+    from specdec.backends.chat_template import render_chat_template
+
+    # Llama 3.1's opening: its BOS text, and today's date where the caller gives none.
+    template = ("{{- bos_token }}{%- if not date_string is defined %}{%- set date_string = strftime_now('%d %b %Y') %}"
+                "{%- endif %}Today Date: {{ date_string }}\n{% for m in messages %}{{ m['content'] | trim }}"
+                "{{ eos_token }}{% endfor %}")
+    rendered = render_chat_template(template, [{"role": "user", "content": " hi "}], bos_token="<|begin_of_text|>",
+                                    eos_token="<|eot_id|>")
+    assert rendered.startswith("<|begin_of_text|>Today Date: ") and rendered.endswith("\nhi<|eot_id|>")

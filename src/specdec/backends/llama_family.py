@@ -170,7 +170,15 @@ class LlamaFamilyBackend(Backend):
     def apply_chat_template(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> str:
         if not self._chat_template:
             raise SpecdecError(f"{self.model_path.name} has no chat template; use a raw completion prompt instead.")
-        return render_chat_template(self._chat_template, messages, tools)
+        return render_chat_template(self._chat_template, messages, tools, bos_token=self._special_text("bos"),
+                                    eos_token=self._special_text("eos"))
+
+    def _special_text(self, which: str) -> str:
+        """The text of the model's BOS or EOS token ("" where the GGUF names none)."""
+        token = self.metadata(f"tokenizer.ggml.{which}_token_id")
+        if token is None or not token.isdigit() or int(token) >= self.vocab_size:
+            return ""
+        return self._piece(int(token), special=True).decode("utf-8", errors="replace")
 
     # -- evaluation ----------------------------------------------------------------------------
     def eval(self, seq_id: int, start: int, tokens: Sequence[int], *, prefill: bool = False) -> np.ndarray:
