@@ -210,6 +210,17 @@ def test_metrics_count_speculation():
         assert metric(url, 'specdec:http_requests_total{route="/v1/completions",status="200"}') == 1
 
 
+def test_metrics_time_each_output_token():
+    """TPOT per request and ITL per token, as serving benchmarks report them."""
+    app = make_app(n_slots=1, delay=0.002, spec=SpecConfig("off", 0))
+    with serve_in_thread(app) as (url, _):
+        httpx.post(url + "/v1/completions", json=body(max_tokens=30), timeout=30)
+        assert metric(url, "specdec:request_time_per_output_token_seconds_count") == 1
+        assert metric(url, "specdec:inter_token_latency_seconds_count") == 29  # each token after the first
+        tpot = metric(url, "specdec:request_time_per_output_token_seconds_sum")
+        assert tpot > 0.001 and metric(url, "specdec:inter_token_latency_seconds_sum") == pytest.approx(tpot * 29)
+
+
 def test_a_long_prompt_joining_does_not_stall_a_running_stream():
     """Its prompt is processed in chunks between the running stream's decode steps."""
     app = make_app(n_slots=2, delay=0.002, prefill_chunk=8)

@@ -7,6 +7,9 @@ The speculative counters carry the names people already scrape (vLLM's `spec_dec
   specdec:spec_decode_num_accepted_tokens_total         tokens accepted
   specdec:spec_decode_num_accepted_tokens_per_pos_total{position="i"}  accepted at draft position i
 so acceptance rate = accepted / draft_tokens and mean acceptance length = 1 + accepted / drafts.
+Per-token latency as serving benchmarks report it (vLLM's names): time per output token after the
+first, per request (TPOT), and the gap between consecutive output tokens (ITL; the tokens of one
+speculative round arrive together, so each gets the round's gap divided among them).
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                         0.75, 1.0, 2.5, 5.0, 10.0)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
           "/infill", "/v1/models", "/health", "/metrics", "/v1/specdec/costs", "/")
@@ -49,6 +54,11 @@ class ServerMetrics:
                               ["model_name"], buckets=LATENCY_BUCKETS, registry=registry)
         self.e2e_latency = Histogram("specdec:e2e_request_latency_seconds", "Arrival to last generated token.",
                                      ["model_name"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.tpot = Histogram("specdec:request_time_per_output_token_seconds",
+                              "Per request: first to last generated token, over the tokens after the first.",
+                              ["model_name"], buckets=TOKEN_LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram("specdec:inter_token_latency_seconds", "Gap between consecutive generated tokens.",
+                             ["model_name"], buckets=TOKEN_LATENCY_BUCKETS, registry=registry)
         self.http_requests = Counter("specdec:http_requests", "HTTP requests, by route and status code.",
                                      ["route", "status"], registry=registry)
         self.http_latency = Histogram("specdec:http_request_duration_seconds", "HTTP request duration.",
@@ -80,6 +90,16 @@ class ServerMetrics:
     # -- recording (thread-safe: called from the scheduler thread) ------------------------------
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
+
+    def observe_tokens(self, count: int, gap: float) -> None:
+        """`count` tokens arrived together, `gap` seconds after the previous ones of the request."""
+        per_token = gap / count
+        itl = self.itl.labels(self.model_name)
+        for _ in range(count):
+            itl.observe(per_token)
+
+    def observe_time_per_output_token(self, seconds: float) -> None:
+        self.tpot.labels(self.model_name).observe(seconds)
 
     def observe_finished(self, stats: dict, finish_reason: str, seconds: float) -> None:
         model = self.model_name

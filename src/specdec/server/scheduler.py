@@ -56,6 +56,8 @@ class _Running:
     handle: int  # the engine core's
     started: bool = False
     first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
+    tokens: int = 0  # generated so far
 
 
 class Scheduler:
@@ -384,13 +386,21 @@ class Scheduler:
             self._deliver(run, item)
 
     def _deliver(self, run: _Running, event: StreamEvent) -> None:
-        if event.token_ids and run.first_token_at is None:
-            run.first_token_at = self.clock()
-            if self.metrics is not None:
-                self.metrics.observe_first_token(run.first_token_at - run.ticket.arrived)
+        if event.token_ids:
+            now = self.clock()
+            if run.first_token_at is None or run.last_token_at is None:
+                run.first_token_at = now
+                if self.metrics is not None:
+                    self.metrics.observe_first_token(now - run.ticket.arrived)
+            elif self.metrics is not None:
+                self.metrics.observe_tokens(len(event.token_ids), now - run.last_token_at)
+            run.last_token_at, run.tokens = now, run.tokens + len(event.token_ids)
         run.ticket.post(event)
         if event.finish_reason is not None:
             if self.metrics is not None:
+                if run.tokens > 1 and run.first_token_at is not None and run.last_token_at is not None:
+                    self.metrics.observe_time_per_output_token(
+                        (run.last_token_at - run.first_token_at) / (run.tokens - 1))
                 self.metrics.observe_finished(event.stats or {}, self._finish_reason(run, event),
                                               self.clock() - run.ticket.arrived)
             self._release(run)
