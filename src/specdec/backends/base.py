@@ -31,6 +31,9 @@ class Backend(ABC):
     # > 0: a sequence may take another's cached positions (share_prefix) in whole multiples of
     # this, without computing them again; 0: each sequence computes its own.
     prefix_share_block: int = 0
+    # Sequence ids max_sequences .. max_sequences + parked_sequences - 1 may hold shared positions
+    # (share_prefix, truncate) but are never evaluated: prompt starts parked (engine/prompt_cache.py).
+    parked_sequences: int = 0
 
     @abstractmethod
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -67,6 +70,10 @@ class Backend(ABC):
         """The longest prefix up to `length` of seq_id's cache that it may truncate to and then
         extend (positions another sequence shares may pin more of it)."""
         return length
+
+    def has_room(self, seq_id: int, end: int) -> bool:
+        """Whether seq_id can take the cells of its positions < end now (without evicting anything)."""
+        return True
 
     def reserve(self, seq_id: int, end: int) -> None:
         """Make room for seq_id's positions < end before a forward it shares with other sequences:

@@ -59,6 +59,15 @@ class CellBlocks:
             self._holders[block] += 1
         self._blocks[seq] = list(shared)
 
+    def room(self, seq: int, end: int) -> bool:
+        """Whether `seq` can take blocks for its positions < end: enough free ones above its last."""
+        blocks = self._blocks.get(seq, [])
+        lacking = -(-end // self.block) - len(blocks)
+        if lacking <= 0:
+            return True
+        last = blocks[-1] if blocks else -1
+        return len(self._free) - bisect.bisect_right(self._free, last) >= lacking
+
     def keepable(self, seq: int, length: int) -> int:
         """The longest prefix up to `length` that `seq` may keep and write after: never part of a
         block it shares (the positions after the cut sit in cells another sequence still holds)."""

@@ -38,6 +38,7 @@ class FakeBackend(Backend):
         extra_special_pieces: Sequence[bytes] = (),
         chat_template: Optional[str] = None,
         prefix_share_block: int = 0,
+        parked_sequences: int = 0,
     ):
         # Extra special pieces (e.g. FIM tokens) go last, so that every default id stays as it is.
         self.pieces: list[bytes] = (SPECIAL_PIECES + [bytes([b]) for b in range(32, 127)] + [b"\n"] + WORD_PIECES
@@ -63,6 +64,7 @@ class FakeBackend(Backend):
         # Sharing cached positions between sequences, kept in blocks as the llama.cpp family keeps them.
         self.prefix_share_block = prefix_share_block
         self._blocks = CellBlocks(n_ctx * max_sequences, prefix_share_block) if prefix_share_block else None
+        self.parked_sequences = parked_sequences if prefix_share_block else 0
         self._by_piece = {piece: i for i, piece in enumerate(self.pieces)}
         self._max_piece = max(len(p) for p in self.pieces)
 
@@ -147,6 +149,9 @@ class FakeBackend(Backend):
         self._blocks.share(source_seq, seq_id, length)
         self.cache[seq_id] = list(self.cache[source_seq][:length])
         self.shared_prefixes.append((source_seq, seq_id, length))
+
+    def has_room(self, seq_id: int, end: int) -> bool:
+        return self._blocks is None or end <= 0 or self._blocks.room(seq_id, end)
 
     def keepable(self, seq_id: int, length: int) -> int:
         return self._blocks.keepable(seq_id, length) if self._blocks is not None else length

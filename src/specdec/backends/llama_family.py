@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from specdec.models.reduced_vocabulary import ReducedVocabulary
 
 MIN_BATCH_CAPACITY = 64
+PARKED_SEQUENCES = 64  # spare ids for parked prompt starts (engine/prompt_cache.py): ids cost nothing, cells do
 
 
 class LlamaFamilyBackend(Backend):
@@ -112,12 +113,13 @@ class LlamaFamilyBackend(Backend):
         if self.rules.cell_ranges:
             self._cell_blocks = CellBlocks(self._cells_per_sequence * sequences_per_context)
             self.prefix_share_block = self._cell_blocks.block  # sequences in one cache may hold the same cells
+            self.parked_sequences = PARKED_SEQUENCES
         # A padded call writes up to min_rows - 1 cells past the sequence's last position.
         self.n_ctx = self._cells_per_sequence - (self.rules.min_rows - 1)
 
     def _context_of(self, seq_id: int) -> tuple[object, int]:
         """(context, the sequence's id inside it)."""
-        if not 0 <= seq_id < self.max_sequences:
+        if not 0 <= seq_id < self.max_sequences + self.parked_sequences:
             raise SpecdecError(f"sequence {seq_id} is out of range: this backend holds {self.max_sequences}.")
         if self.rules.context_per_sequence:
             return self._contexts[seq_id], 0
@@ -235,6 +237,12 @@ class LlamaFamilyBackend(Backend):
         chosen = [self._cell_blocks.cells(seq, [row.position])[0] for seq, row in zip(local, call)]
         first = min(self._cell_blocks.first_cell(seq) for seq in set(local))
         return (ctypes.c_int32 * len(chosen))(*chosen), first, max(chosen) + 1 - first
+
+    def has_room(self, seq_id: int, end: int) -> bool:
+        if not self.rules.cell_ranges or end <= 0:
+            return True
+        # A padded call writes up to min_rows - 1 cells past a sequence's last position.
+        return library_thread.call(self._cell_blocks.room, self._context_of(seq_id)[1], end + self.rules.min_rows - 1)
 
     def reserve(self, seq_id: int, end: int) -> None:
         if self.rules.cell_ranges and end > 0:

@@ -140,6 +140,8 @@ class EngineCore:
         """Forget every slot's caches (after a stuck backend call returned: their state is not trusted)."""
         for index in range(len(self.engine.slots)):
             self._reset_slot(index)
+        if self.engine.prompt_cache is not None:
+            self.engine.prompt_cache.clear()
 
     def stats_of(self, handle: int) -> dict:
         """A running request's statistics so far ({} if it has none); safe to call from another
@@ -200,7 +202,12 @@ class EngineCore:
         """Whether the request may start from what the slot's cache holds: its own tenant's text,
         and it did not ask for its whole prompt to be processed."""
         # A request scoring its prompt needs every prompt row's logits: nothing of the cache serves it.
-        return self._slot_tenant[slot] == request.tenant and request.cache_prompt and request.prompt_logprobs is None
+        return self._slot_tenant[slot] == request.tenant and self._may_reuse_cache(request)
+
+    @staticmethod
+    def _may_reuse_cache(request: GenerationRequest) -> bool:
+        """Whether the request may start from any cached text of its tenant's (see _may_reuse)."""
+        return request.cache_prompt and request.prompt_logprobs is None
 
     def _reusable(self, slot: int, request: GenerationRequest) -> int:
         if not self._may_reuse(slot, request):
@@ -211,6 +218,7 @@ class EngineCore:
         engine = self.engine
         active.generation = engine.new_generation(active.request, slot=active.slot)
         slot = engine.slots[active.slot]
+        self._park(active)
         if engine.config.prefix_cache and self._may_reuse(active.slot, active.request):
             active.admitted.cached_prompt_tokens = slot.target.reuse_prefix(active.request.prompt_token_ids[:-1])
         else:  # another tenant's text, or a request that asked for none: nothing of it is reused
@@ -220,6 +228,25 @@ class EngineCore:
         self._slot_tenant[active.slot] = active.request.tenant
         if active.request.prompt_logprobs is not None:
             active.prompt_logprobs, active.scoring = [], True
+
+    def _park(self, active: _Active) -> None:
+        """Keep what the slot holds in the prompt cache (prompt_cache.py) where the request would
+        drop at least a whole block of it: another conversation takes the slot."""
+        cache, sequence = self.engine.prompt_cache, self.engine.slots[active.slot].target
+        if cache is None or not sequence.tokens:
+            return
+        keep = self._reusable(active.slot, active.request)
+        if sequence.shareable_prefix(sequence.tokens) >= keep + self.engine.target.prefix_share_block:
+            try:
+                cache.park(sequence, self._slot_tenant[active.slot])
+            except Exception:  # a start not kept costs its reprocessing later, never this request
+                logger.exception("could not park slot %d's prompt start", active.slot)
+
+    def _make_room(self, seq_id: int, end: int) -> None:
+        """Parked prompt starts give way, least recently used first, to a sequence that needs cells."""
+        cache, target = self.engine.prompt_cache, self.engine.target
+        while cache is not None and not target.has_room(seq_id, end) and cache.evict_one():
+            pass
 
     def _prefill(self, items: list, budget: int) -> None:
         for handle, active in list(self._active.items()):
@@ -248,7 +275,14 @@ class EngineCore:
             length = self.engine.slots[i].target.shareable_prefix(prefix)
             if length > best:
                 best, source = length, i
-        if source is not None:
+        cache = self.engine.prompt_cache
+        parked, length = cache.best(active.request.tenant, prefix) \
+            if cache is not None and self._may_reuse_cache(active.request) else (None, 0)
+        if cache is not None and parked is not None and length > best:
+            own.adopt(parked.sequence, length)
+            cache.restored(parked, length)
+            active.admitted.cached_prompt_tokens = length
+        elif source is not None:
             own.adopt(self.engine.slots[source].target, best)
             active.admitted.cached_prompt_tokens = best
         # Waiting pays when the earlier request will compute at least one more block we can take.
@@ -296,6 +330,10 @@ class EngineCore:
         if end < len(prefix) and slot.target.alignment > 1:
             end = max(done, end // slot.target.alignment * slot.target.alignment)  # whole chunks (sequence.py)
         if end > done:
+            # Room for the whole generation before its cells are placed: a sequence's cells only
+            # rise, and parked starts dropped later would free cells below it.
+            n_ctx, most = self.engine.target.n_ctx, active.request.max_tokens
+            self._make_room(slot.target.seq_id, min(n_ctx, len(active.request.prompt_token_ids) + (n_ctx if most is None else most)))
             slot.target.prefill(prefix[:end])
         active.admitted.drafter.prefill(prefix[:end])  # a draft model keeps its cache in step itself
         return end - done
@@ -331,6 +369,7 @@ class EngineCore:
         target = self.engine.target
         for handle, tokens in zip(running, plans):
             sequence = self._active[handle].admitted.target
+            self._make_room(sequence.seq_id, len(sequence.tokens) + len(tokens))
             self._guarded(items, handle, target.reserve, sequence.seq_id, len(sequence.tokens) + len(tokens))
         placed = [(handle, tokens) for handle, tokens in zip(running, plans) if not self._failed(items, handle)]
         running, plans = [handle for handle, _ in placed], [tokens for _, tokens in placed]

@@ -17,6 +17,7 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.engine.cost_model import CostModel, calibrate
 from specdec.engine.core import EngineCore
 from specdec.engine.decoder import Generation
+from specdec.engine.prompt_cache import PromptCache
 from specdec.engine.sequence import CachedSequence
 from specdec.grammar.compiler import DEFAULT_TIME_LIMIT, GrammarCompiler
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent
@@ -160,6 +161,9 @@ class EngineConfig:
     ngram_max: int = 3
     ngram_min: int = 1
     prefix_cache: bool = True  # reuse the cached KV of a prompt prefix seen by the previous request
+    # Prompt starts kept in the KV cache after their slot moved on, where the backend can share
+    # cells (engine/prompt_cache.py); 0: none.
+    parked_prompts: int = 64
     cross_request_ngrams: bool = True  # draft from text generated earlier for the same tenant
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # what `auto` tunes its choices with
     grammar_time_limit: Optional[float] = DEFAULT_TIME_LIMIT  # seconds a grammar may compile on admission
@@ -202,6 +206,9 @@ class Engine:
         self.cost_model: Optional[CostModel] = None  # measured on first use of `auto`
         self.cross_request = CrossRequestCache()
         self.grammars = GrammarCompiler(target, config.grammar_time_limit)  # the vocabulary is read on first use only
+        self.prompt_cache: Optional[PromptCache] = None
+        if config.prefix_cache and config.parked_prompts > 0 and target.parked_sequences > 0:
+            self.prompt_cache = PromptCache(target, target.max_sequences, min(config.parked_prompts, target.parked_sequences))
         self.core = EngineCore(self)  # the one driver of its slots, for every caller
 
     def _make_slot(self, seq_id: int) -> Slot:

@@ -10,13 +10,20 @@ so acceptance rate = accepted / draft_tokens and mean acceptance length = 1 + ac
 Per-token latency as serving benchmarks report it (vLLM's names): time per output token after the
 first, per request (TPOT), and the gap between consecutive output tokens (ITL; the tokens of one
 speculative round arrive together, so each gets the round's gap divided among them).
+The prompt cache (engine/prompt_cache.py): starts parked and the tokens they hold, and since the
+engine started, requests that restored one, the prompt tokens they did not process again, and
+starts dropped for room.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from specdec.engine.prompt_cache import PromptCache
 
 TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                          0.75, 1.0, 2.5, 5.0, 10.0)
@@ -87,6 +94,10 @@ class ServerMetrics:
         self.history_tokens.labels(self.model_name).set_function(history_tokens)
         self.prefix_cache_tokens.labels(self.model_name).set_function(prefix_tokens)
 
+    def track_prompt_cache(self, cache: Callable[[], Optional[PromptCache]]) -> None:
+        """`cache`: the serving engine's prompt cache now (the engine changes at a build switch)."""
+        self.registry.register(_PromptCacheCollector(self.model_name, cache))
+
     # -- recording (thread-safe: called from the scheduler thread) ------------------------------
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
@@ -125,6 +136,29 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PromptCacheCollector(Collector):
+    """Read at scrape time from the engine's own counts (which restart with a new engine)."""
+
+    def __init__(self, model_name: str, cache: Callable[[], Optional[PromptCache]]):
+        self.model_name, self.cache = model_name, cache
+
+    def collect(self):
+        cache = self.cache()
+        stats, held = (cache.stats, (len(cache), cache.held_tokens)) if cache is not None else (None, (0, 0))
+        for name, text, value in (("parked_prompts", "Prompt starts parked in the KV cache.", held[0]),
+                                  ("parked_prompt_tokens", "Positions the parked prompt starts hold.", held[1])):
+            gauge = GaugeMetricFamily(f"specdec:{name}", text, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
+        for name, text, field in (("prompt_cache_hits", "Requests that restored a parked prompt start.", "hits"),
+                                  ("prompt_cache_restored_tokens", "Prompt tokens restored, not processed again.",
+                                   "tokens_restored"),
+                                  ("prompt_cache_evictions", "Parked prompt starts dropped for room.", "evicted")):
+            counter = CounterMetricFamily(f"specdec:{name}", text, labels=["model_name"])
+            counter.add_metric([self.model_name], getattr(stats, field) if stats is not None else 0)
+            yield counter
 
 
 class HTTPMetricsMiddleware:

@@ -1,0 +1,119 @@
+"""Prompt starts kept in the KV cache after their slot moved on to another conversation.
+
+With more live conversations than slots (a support bot's users, several agent sessions), a
+slot given to another request used to lose what it held, and the conversation's next turn was
+processed again from its first token. Where the backend lets sequences share cached positions
+(specdec's ik_llama.cpp build: cell_blocks.py), a slot's prompt start is parked instead: a
+spare sequence id takes its whole blocks (no copy, the cells get a second owner), and a later
+request of the same tenant whose prompt starts with those tokens adopts them as it would adopt
+another slot's, processing only the rest. The cells are the ones computed for the first prompt,
+so a restored start is bit-identical to the same start processed again.
+
+Parked starts hold cells no running sequence uses; a sequence that needs cells gets them first:
+the least recently used parked start is dropped until it has room (EngineCore._make_room), as is
+one when every spare id is taken. Never across tenants: a start is found only for its own tenant.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from specdec.backends.base import Backend
+from specdec.engine.sequence import CachedSequence
+
+
+@dataclass
+class Parked:
+    sequence: CachedSequence
+    tenant: Optional[str]
+    used: int  # a tick of the cache's own clock: larger is more recent
+
+
+@dataclass
+class PromptCacheStats:
+    parked: int = 0  # starts parked
+    hits: int = 0  # requests that adopted a parked start
+    tokens_restored: int = 0  # prompt tokens those requests did not process again
+    evicted: int = 0  # starts dropped for room or for a spare id
+
+
+class PromptCache:
+    def __init__(self, backend: Backend, first_id: int, capacity: int):
+        self.backend = backend
+        self._free_ids = list(range(first_id, first_id + capacity))
+        self._entries: list[Parked] = []
+        self._tick: Callable[[], int] = itertools.count(1).__next__
+        self.stats = PromptCacheStats()
+
+    @property
+    def held_tokens(self) -> int:
+        """Positions the parked starts hold (some may be shared with slots, or among them)."""
+        return sum(len(entry.sequence.tokens) for entry in self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def park(self, source: CachedSequence, tenant: Optional[str]) -> None:
+        """Keep the shareable start of what `source` holds, unless a parked start of the tenant
+        already covers it (one it covers is dropped: the new one holds all of it and more)."""
+        length = source.shareable_prefix(source.tokens)
+        if not length:
+            return
+        tokens = source.tokens[:length]
+        for entry in list(self._entries):
+            if entry.tenant != tenant:
+                continue
+            held = entry.sequence.tokens
+            if len(held) >= length and held[:length] == tokens:
+                entry.used = self._tick()
+                return
+            if tokens[:len(held)] == held:
+                self._drop(entry)
+        if not self._free_ids:
+            self.evict_one()
+        if not self._free_ids:
+            return
+        sequence = CachedSequence(self.backend, self._free_ids.pop(), aligned_reuse=True)
+        try:
+            sequence.adopt(source, length)
+        except BaseException:
+            self._free_ids.append(sequence.seq_id)
+            raise
+        self._entries.append(Parked(sequence, tenant, self._tick()))
+        self.stats.parked += 1
+
+    def best(self, tenant: Optional[str], prompt: Sequence[int]) -> tuple[Optional[Parked], int]:
+        """The tenant's parked start that serves the longest start of `prompt`, and that length."""
+        best: tuple[Optional[Parked], int] = (None, 0)
+        for entry in self._entries:
+            if entry.tenant == tenant:
+                length = entry.sequence.shareable_prefix(prompt)
+                if length > best[1]:
+                    best = (entry, length)
+        return best
+
+    def restored(self, entry: Parked, tokens: int) -> None:
+        """A request adopted `tokens` positions of `entry`."""
+        entry.used = self._tick()
+        self.stats.hits += 1
+        self.stats.tokens_restored += tokens
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used parked start; False when none is left."""
+        if not self._entries:
+            return False
+        self._drop(min(self._entries, key=lambda entry: entry.used))
+        self.stats.evicted += 1
+        return True
+
+    def clear(self) -> None:
+        for entry in list(self._entries):
+            self._drop(entry)
+
+    def _drop(self, entry: Parked) -> None:
+        self._entries.remove(entry)
+        try:
+            entry.sequence.clear()  # its blocks are free again once no slot shares them
+        finally:
+            self._free_ids.append(entry.sequence.seq_id)
