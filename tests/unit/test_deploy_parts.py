@@ -153,6 +153,35 @@ def test_prompt_text_reads_chat_messages_and_completion_prompts():
     assert prompt_text({"prompt": None}) == prompt_text([1, 2]) == prompt_text({}) == ""
 
 
+def test_prompt_text_reads_messages_and_responses_bodies_as_the_model_reads_them():
+    from specdec.deploy.prefix import prompt_text
+
+    messages = {"system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.a1b;\nBe brief."}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "Sum this"}]},
+                             {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "input": {}}]}]}
+    assert prompt_text(messages) == "system\nBe brief.\nuser\nSum this\nassistant\n\n"
+    turn_2 = dict(messages, system="x-anthropic-billing-header: cc_version=2.1.332.f9e;\nBe brief.")
+    assert prompt_text(turn_2) == prompt_text(messages)  # the attribution line changes every turn
+    responses = {"instructions": "Be brief.",
+                 "input": [{"role": "developer", "content": [{"type": "input_text", "text": "Rules"}]},
+                           {"type": "function_call", "name": "f", "arguments": "{\"a\": 1}"},
+                           {"type": "function_call_output", "output": "42"}]}
+    assert prompt_text(responses) == ("system\nBe brief.\ndeveloper\nRules\nfunction_call\n{\"a\": 1}\n"
+                                      "function_call_output\n42\n")
+    assert prompt_text({"input": "Hello"}) == "user\nHello\n"
+
+
+def test_the_session_key_is_the_prompt_cache_key_or_the_messages_user_id():
+    from specdec.deploy.prefix import session_digest
+
+    codex = session_digest({"prompt_cache_key": "thread-1", "input": "hi"})
+    assert codex == session_digest({"prompt_cache_key": "thread-1"}) != session_digest({"prompt_cache_key": "thread-2"})
+    assert "thread-1" not in codex
+    assert session_digest({"metadata": {"user_id": "user_x_session_1"}}) is not None
+    assert session_digest({"metadata": {"user_id": 7}}) is None and session_digest({"prompt_cache_key": ""}) is None
+    assert session_digest({"messages": []}) is None and session_digest([1]) is None
+
+
 def test_prefix_digests_agree_exactly_as_far_as_the_texts_do():
     from specdec.deploy.prefix import BLOCK_CHARS, MAX_BLOCKS, prefix_digests, routing_digest, validate_prefix_chars
 
@@ -185,6 +214,17 @@ def test_affinity_is_the_prompt_prefix_then_the_api_key():
     assert affinity_of({PREFIX_HEADER: short_prompt}, 1024) is None  # Ray's default then
 
 
+def test_a_session_key_comes_before_the_prompt_prefix():
+    """Agent sessions share one long system prompt: by prefix alone they would all go to one replica."""
+    from specdec.deploy.prefix import PREFIX_HEADER, SESSION_HEADER, encode_header, prefix_digests
+    from specdec.deploy.router import affinity_of
+
+    shared_start = encode_header(prefix_digests("s" * 2000))
+    first, second = ({PREFIX_HEADER: shared_start, SESSION_HEADER: session} for session in (b"aa11", b"bb22"))
+    assert affinity_of(first, 1024) == "session:aa11" and affinity_of(second, 1024) == "session:bb22"
+    assert affinity_of({PREFIX_HEADER: shared_start}, 1024).startswith("prefix:")
+
+
 def run_prefix_middleware(scope, chunks):
     """What the app behind PromptPrefixHeader receives: (its scope, the body it reads)."""
     from specdec.deploy.proxy import PromptPrefixHeader
@@ -211,8 +251,8 @@ def run_prefix_middleware(scope, chunks):
     return seen["scope"], seen["body"]
 
 
-def test_the_proxy_passes_the_prompt_prefix_and_the_body_unchanged():
-    from specdec.deploy.prefix import PREFIX_HEADER, prefix_digests, prompt_text
+def test_the_proxy_passes_the_prompt_prefix_the_session_and_the_body_unchanged():
+    from specdec.deploy.prefix import PREFIX_HEADER, SESSION_HEADER, prefix_digests, prompt_text, session_digest
 
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "long " * 300}]}).encode()
     forged = (PREFIX_HEADER, b"forged")
@@ -226,6 +266,11 @@ def test_the_proxy_passes_the_prompt_prefix_and_the_body_unchanged():
     assert received == b"{not json" and inner_scope["headers"] == []  # the replica answers the 400
     too_deep = b"[" * 100_000 + b"]" * 100_000
     assert run_prefix_middleware(dict(scope, headers=[]), [too_deep])[1] == too_deep
+    codex = json.dumps({"model": "m", "input": "short", "prompt_cache_key": "thread-9"}).encode()
+    forged_session = (SESSION_HEADER, b"forged")
+    responses = dict(scope, path="/v1/responses", headers=[forged_session])
+    headers = dict(run_prefix_middleware(responses, [codex])[0]["headers"])
+    assert headers == {SESSION_HEADER: session_digest(json.loads(codex)).encode()}
     get = {"type": "http", "method": "GET", "path": "/v1/models", "headers": [forged]}
     assert run_prefix_middleware(get, [b""])[0] is get  # other routes: untouched
 
@@ -580,8 +625,8 @@ def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch):
         decoded_on.append(threading.get_ident())
         return real(body)
 
-    real = proxy.prompt_digests
-    monkeypatch.setattr(proxy, "prompt_digests", recording)
+    real = proxy.routing_headers
+    monkeypatch.setattr(proxy, "routing_headers", recording)
     ray_proxy = FakeRayProxy()
     app = proxy_stack(ray_proxy, {})
     large = json.dumps({"model": "m", "messages": [{"role": "user", "content": "w" * (OFF_LOOP_JSON_BYTES + 1)}]})

@@ -11,8 +11,8 @@ Outermost first (`middlewares()`):
     BodyLimitMiddleware   413 from Content-Length before reading, or as the bytes pass the limit;
                           408 for a body slower than the timeout (server/limits.py)
     BufferedBody          the whole body read here, where those errors can be answered
-    PromptPrefixHeader    digests of the prompt's start, for the router (JSON decoded off the event
-                          loop when large)
+    PromptPrefixHeader    digests of the prompt's start and of the session key, for the router (JSON
+                          decoded off the event loop when large)
     RayErrorsAsJSON       Ray's own plain-text errors (a full queue, no replica, ...) as OpenAI JSON
 
 A replica that dies mid-stream leaves Ray's proxy with nothing to send: it stops, and the client
@@ -39,7 +39,8 @@ from typing import Callable, Mapping, Optional
 
 from starlette.middleware import Middleware
 
-from specdec.deploy.prefix import COMPLETION_PATHS, PREFIX_HEADER, encode_header, prefix_digests, prompt_text
+from specdec.deploy.prefix import (PREFIX_HEADER, ROUTED_PATHS, SESSION_HEADER, encode_header, prefix_digests,
+                                   prompt_text, session_digest)
 from specdec.deploy.router import TENANT_HEADER
 from specdec.server.app import OPEN_PATHS
 from specdec.server.config import ServerConfig
@@ -147,33 +148,40 @@ class BufferedBody:
         await self.app(scope, replaying(body, last, receive), send)
 
 
-def prompt_digests(body: bytes) -> list[str]:
+def routing_headers(body: bytes) -> list[tuple[bytes, bytes]]:
+    """The prompt's prefix digests and the session key's digest, as headers (prefix.py)."""
     try:
-        return prefix_digests(prompt_text(json.loads(body)))
+        parsed = json.loads(body)
     except (ValueError, RecursionError):  # not JSON (or too deep): the replica answers 400 as usual
         return []
+    headers, digests, session = [], prefix_digests(prompt_text(parsed)), session_digest(parsed)
+    if digests:
+        headers.append((PREFIX_HEADER, encode_header(digests)))
+    if session is not None:
+        headers.append((SESSION_HEADER, session.encode("ascii")))
+    return headers
 
 
 class PromptPrefixHeader:
     """Reads a completion request's JSON body in the proxy and passes digests of its prompt's
-    leading blocks to the request router in a header (prefix.py), replacing any the client sent;
-    the body then goes on to the replica unchanged. A body over OFF_LOOP_JSON_BYTES is decoded in
-    a worker thread: a megabyte of JSON would stall every other request of the proxy meanwhile."""
+    leading blocks and of its session key to the request router in headers (prefix.py), replacing
+    any the client sent; the body then goes on to the replica unchanged. A body over
+    OFF_LOOP_JSON_BYTES is decoded in a worker thread: a megabyte of JSON would stall every other
+    request of the proxy meanwhile."""
 
-    MAX_BODY = 4 << 20  # larger bodies are forwarded without the header
+    MAX_BODY = 4 << 20  # larger bodies are forwarded without the headers
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in COMPLETION_PATHS:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in ROUTED_PATHS:
             return await self.app(scope, receive, send)
         body, last = await read_body(receive)
-        headers = [(name, value) for name, value in scope.get("headers", ()) if name.lower() != PREFIX_HEADER]
+        headers = [(name, value) for name, value in scope.get("headers", ())
+                   if name.lower() not in (PREFIX_HEADER, SESSION_HEADER)]
         if len(body) <= self.MAX_BODY:
-            digests = await off_loop_if_large(prompt_digests, body)
-            if digests:
-                headers.append((PREFIX_HEADER, encode_header(digests)))
+            headers += await off_loop_if_large(routing_headers, body)
         await self.app({**scope, "headers": headers}, replaying(body, last, receive), send)
 
 

@@ -4,7 +4,11 @@ Speculation and prompt processing on a replica feed on what that replica has see
 cross-request history is kept per tenant (drafters/history.py), and the prefix cache per
 slot (a long prompt served there is reused by the next one that starts the same way). So:
 
-- a request whose prompt starts with at least `--prefix-routing-chars` characters (default
+- a request carrying a session key (OpenAI's `prompt_cache_key`, the Messages API's
+  `metadata.user_id`: what Codex CLI and Claude Code send) goes to the replica the key hashes to,
+  so an agent's turns stay where its conversation is cached while sessions sharing one system
+  prompt spread over the replicas (the proxy passes a digest of the key, prefix.py);
+- any other request whose prompt starts with at least `--prefix-routing-chars` characters (default
   1,024, about 250 tokens) goes to the replica its first that-many characters hash to: every
   request sharing that prefix (a system prompt, a document, a chat's history) lands on the
   replica that holds it in cache. The proxy's middleware (proxy.py) passes digests of the
@@ -29,7 +33,7 @@ from typing import Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from specdec.deploy.prefix import DEFAULT_PREFIX_CHARS, PREFIX_HEADER, routing_digest
+from specdec.deploy.prefix import DEFAULT_PREFIX_CHARS, PREFIX_HEADER, SESSION_HEADER, routing_digest
 from specdec.drafters.history import tenant_of_api_key
 
 # The tenant of the request's key, set by the proxy once the key is checked (proxy.py); routing only.
@@ -59,8 +63,11 @@ def api_key_of(headers: dict[bytes, bytes]) -> Optional[str]:
 
 
 def affinity_of(headers: dict[bytes, bytes], prefix_chars: int) -> Optional[str]:
-    """What the request should stay with: its prompt's prefix, else its key's tenant, else its API
-    key, else nothing."""
+    """What the request should stay with: its session, else its prompt's prefix, else its key's
+    tenant, else its API key, else nothing."""
+    session = headers.get(SESSION_HEADER)
+    if session:
+        return f"session:{session.decode('ascii', 'replace')}"
     digest = routing_digest(headers.get(PREFIX_HEADER), prefix_chars)
     if digest is not None:
         return f"prefix:{digest}"
