@@ -82,6 +82,21 @@ class SlowFake(FakeBackend):
         return super().eval(seq_id, start, tokens, prefill=prefill)
 
 
+def test_a_new_build_prices_with_the_last_costs_until_its_own_are_measured(caplog):
+    old, new, clock = Engine(FakeBackend(seed=7)), Engine(FakeBackend(seed=7)), Clock()
+    keeper = CostKeeper(clock)
+    assert keeper.offer(old, GOOD, "start-up")
+    keeper.measure_new_build(new, old)
+    assert new.cost_model.to_json() == GOOD.to_json() and new.cost_model is not GOOD
+    assert keeper.due()  # at the worker's next idle moment
+    # Another build's t(1) is no reference: a 3x faster one is adopted, and is the reference after.
+    faster = model(0.080 / 3, 1.3, 1.6, 1.9, 2.2)
+    assert keeper.offer(new, faster, "measured again") and new.cost_model is faster and not keeper.due()
+    with caplog.at_level(logging.INFO, logger="specdec.server"):
+        assert not keeper.offer(new, GOOD, "measured again")
+    assert "is 3.0x the last good model's" in caplog.text and new.cost_model.to_json() == faster.to_json()
+
+
 def test_an_idle_server_measures_again_and_a_request_interrupts_it():
     engine = Engine(SlowFake(seed=7))
     app = create_app(engine, ServerConfig(served_model_name="fake", spec=SpecConfig("auto", 4)))

@@ -29,13 +29,14 @@ class CostKeeper:
         self.last_good = last_good  # a saved model of this setup, or the last one adopted
         self.due_at: Optional[float] = None  # when to measure again; None: nothing to do
         self.rejected = 0  # measurements rejected in a row
+        self.new_build = False  # the last good model is another build's: no reference for t(1)
 
     def offer(self, engine: Engine, measured: CostModel, occasion: str) -> bool:
         """Give `engine` the measured model if it is plausible (True), else the last good one, and
         schedule another measurement."""
-        reason = implausibility(measured, self.last_good)
+        reason = implausibility(measured, None if self.new_build else self.last_good)
         if reason is None:
-            self.last_good, self.due_at, self.rejected = measured, None, 0
+            self.last_good, self.due_at, self.rejected, self.new_build = measured, None, 0, False
             engine.use_cost_model(measured)
             logger.info("calibrated for auto (%s): %s", occasion, measured.summary())
             return True
@@ -51,6 +52,16 @@ class CostKeeper:
         logger.warning("calibration for auto (%s) looks wrong: %s (%s); %s; measuring again in %.0f s at an "
                        "idle moment", occasion, reason, measured.summary(), kept, delay)
         return False
+
+    def measure_new_build(self, engine: Engine, serving: Engine) -> None:
+        """`engine` serves from now on with the costs `serving` priced with (a copy), and its own are
+        measured at the worker's next idle moments: measured beside a busy engine, both builds'
+        threads share the cores and the figures are nonsense."""
+        current = self.last_good or serving.cost_model
+        if current is not None:
+            engine.use_cost_model(CostModel.from_json(current.to_json()))
+        self.new_build, self.due_at, self.rejected = True, self.clock(), 0
+        logger.info("the new build prices with the last build's costs until its own are measured at an idle moment")
 
     def due(self) -> bool:
         return self.due_at is not None and self.clock() >= self.due_at

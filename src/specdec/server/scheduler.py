@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, cast
 
 from specdec.engine import core
-from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.engine_users import EngineUsers
@@ -77,10 +76,10 @@ class Scheduler:
         self._busy: Optional[tuple[float, str]] = None  # (since, stage) while the worker is in an iteration
         self._thread: Optional[threading.Thread] = None
         self._watchdog: Optional[Watchdog] = None
-        # A better build of the backend, loaded and measured elsewhere (upgrade.py), to serve on
+        # A better build of the backend, loaded elsewhere (upgrade.py), to serve on
         # from the first moment nothing runs; the engines left behind (with the generation of
         # requests that may still hold them), closed once those requests are over.
-        self._switch: Optional[tuple[Engine, CostModel]] = None
+        self._switch: Optional[Engine] = None
         self._build_watcher: Optional[BuildWatcher] = None
         self._retired: list[tuple[int, Engine]] = []
         self.users = EngineUsers()  # HTTP requests in flight per engine generation (the app counts them)
@@ -130,11 +129,11 @@ class Scheduler:
 
             self._build_watcher = watch_for_build(self.engine, self.request_switch)
 
-    def request_switch(self, engine: Engine, measured: CostModel) -> None:
-        """Serve on `engine` (loaded, its costs `measured`) from the first moment nothing runs; the
-        requests waiting then are its first."""
+    def request_switch(self, engine: Engine) -> None:
+        """Serve on `engine` (loaded; its costs measured at the next idle moments) from the first
+        moment nothing runs; the requests waiting then are its first."""
         with self._cond:
-            self._switch = (engine, measured)
+            self._switch = engine
             self._cond.notify()
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Ticket:
@@ -277,7 +276,7 @@ class Scheduler:
                 switch = self._switch if not self._running else None
                 recalibrate = not self._waiting and not self._running and self.costs.due()
             if switch is not None:
-                self._switch_engine(*switch)
+                self._switch_engine(switch)
             elif recalibrate:
                 self._recalibrate()
             self._close_retired()
@@ -317,12 +316,12 @@ class Scheduler:
         return (self._switch is not None or self.costs.due()
                 or any(self.users.done_with(generation) for generation, _ in self._retired))
 
-    def _switch_engine(self, new: Engine, measured: CostModel) -> None:
+    def _switch_engine(self, new: Engine) -> None:
         """Serve on `new` from now on (nothing runs on the old one): between two rounds, no
-        loading here. Its costs are adopted if they check out, else the last good ones."""
+        loading here, and its costs measured at the next idle moments (recalibration.py)."""
         with self._cond:
             self._switch = None
-        self.costs.offer(new, measured, "the new build")
+        self.costs.measure_new_build(new, self.engine)
         old, self.engine, self.core = self.engine, new, new.core
         for listener in self.engine_listeners:
             listener(new)

@@ -5,10 +5,12 @@ scripts/install.sh builds specdec's patched build in the background; `$SPECDEC_H
 ik-pending` names the build's folder. The watcher looks every few seconds; once the build is
 complete (its wheel and its unpacked library are there) and this CPU runs it, the watcher's own
 thread loads the new engine from the unpacked library (the old one stays open beside it: a
-library cannot be reloaded under the same path) and measures its costs while the old engine
-keeps serving; it then hands both to the scheduler, which serves on the new engine from the first
-moment nothing runs, between two rounds (scheduler.py). A server that is never idle stays on the
-old build. The old engine is closed once the last request that may hold it is over
+library cannot be reloaded under the same path) while the old engine keeps serving; it then hands
+it to the scheduler, which serves on the new engine from the first moment nothing runs, between
+two rounds (scheduler.py), pricing with the old build's costs until the worker has measured the
+new one's at idle moments (recalibration.py): measured beside the busy old engine, the two
+builds' threads would share the cores and make both the figures and the serving wrong. A server
+that is never idle stays on the old build. The old engine is closed once the last request that may hold it is over
 (engine_users.py). Later starts load the build from the virtualenv, where the background job has
 installed it.
 """
@@ -23,7 +25,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
-from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
 from specdec.models.registry import specdec_home
 
@@ -84,10 +85,10 @@ def provisional(engine: Engine) -> bool:
     return not ik_llama.binding().one_row_exact
 
 
-def upgraded_engine(engine: Engine, library: Path) -> tuple[Engine, CostModel]:
-    """The same models on the build at `library`, and its costs measured (the scheduler adopts them
-    if they check out: recalibration.py); with the weights repacked where the configuration was
-    the rule's (runtime.default_config: repacked on specdec's build)."""
+def upgraded_engine(engine: Engine, library: Path) -> Engine:
+    """The same models on the build at `library`, with the weights repacked where the configuration
+    was the rule's (runtime.default_config: repacked on specdec's build); its costs are measured
+    after the switch, by the worker (recalibration.py)."""
     from specdec.runtime import load_engine
 
     os.environ[LIBRARY_ENV] = str(library)  # from now on this process opens that build
@@ -96,24 +97,18 @@ def upgraded_engine(engine: Engine, library: Path) -> tuple[Engine, CostModel]:
     if models.backend_by_rule:
         models = models.with_backend(replace(models.backend, repacked=True))
     new = load_engine(models, n_slots=len(engine.slots), engine=engine.config)
-    try:
-        measured = new.measure_costs()
-    except BaseException:
-        new.close()
-        raise
-    logger.info("specdec's ik_llama.cpp build loaded (%s) and measured beside the serving engine",
-                models.backend.label)
-    return new, measured
+    logger.info("specdec's ik_llama.cpp build loaded (%s) beside the serving engine", models.backend.label)
+    return new
 
 
-Prepare = Callable[[Engine, Path], tuple[Engine, CostModel]]
+Prepare = Callable[[Engine, Path], Engine]
 
 
 class BuildWatcher:
-    """Polls for the background build; when it is done, loads and measures the new engine on its own
-    thread and hands it to `switch(engine, measured)`."""
+    """Polls for the background build; when it is done, loads the new engine on its own thread and
+    hands it to `switch(engine)`."""
 
-    def __init__(self, engine: Engine, switch: Callable[[Engine, CostModel], None], poll: float = POLL_SECONDS,
+    def __init__(self, engine: Engine, switch: Callable[[Engine], None], poll: float = POLL_SECONDS,
                  prepare: Prepare = upgraded_engine, finished: Callable[[], Optional[Path]] = finished_build):
         self.engine = engine
         self.switch = switch
@@ -145,7 +140,7 @@ class BuildWatcher:
             if library is not None:
                 logger.info("specdec's ik_llama.cpp build is ready (%s): loading it beside the serving engine", library)
                 try:
-                    new, measured = self.prepare(self.engine, library)
+                    new = self.prepare(self.engine, library)
                 except Exception:
                     logger.exception("could not load the new build; serving on as before")
                     return
@@ -153,11 +148,11 @@ class BuildWatcher:
                     new.close()  # the server stopped meanwhile
                     return
                 logger.info("switching to specdec's build at the first moment nothing runs")
-                self.switch(new, measured)
+                self.switch(new)
                 return
 
 
-def watch_for_build(engine: Engine, switch: Callable[[Engine, CostModel], None]) -> Optional[BuildWatcher]:
+def watch_for_build(engine: Engine, switch: Callable[[Engine], None]) -> Optional[BuildWatcher]:
     """A started watcher where the engine is provisional and a build is pending; else None."""
     if not pending_file().exists() or not provisional(engine):
         return None
