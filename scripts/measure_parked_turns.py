@@ -1,0 +1,115 @@
+"""Turn 2 of a conversation through HTTP, three ways, on one server with one slot (issue 44's
+"turn-N TTFT after eviction within 1.2x of a slot-resident turn"):
+
+- resident: turn 1, then turn 2 at once (the slot still holds the conversation);
+- restored: turn 1, another conversation takes the slot (turn 1's prompt start is parked in the
+  KV cache, engine/prompt_cache.py), then turn 2;
+- cold: the same turn 2 sent with `cache_prompt: false` (processed from its first token).
+
+Each repeat uses conversations of their own (a nonce first), the three ways in rotating order.
+Not run in CI.
+
+    .venv/bin/python scripts/measure_parked_turns.py [--repeats 3] [--method off] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from specdec.bench.serving import SpecdecServer, served_model
+from specdec.machine_profile import cpu_model_name
+
+HERE = Path(__file__).resolve().parent
+WAYS = ("resident", "restored", "cold")
+
+
+def document(nonce: str, paragraphs: int) -> str:
+    """A long first turn: a made-up handbook, distinct per nonce from its first token on."""
+    lines = [f"Reference {nonce}. You answer questions about the handbook below, briefly."]
+    for i in range(paragraphs):
+        lines.append(f"Section {i + 1} ({nonce}): requests of kind {i % 7} go to queue {(i * 13) % 29}; "
+                     f"escalate after {(i * 7) % 48 + 2} hours; the owner is team {chr(65 + i % 26)}{i}. "
+                     f"Refunds under {(i * 37) % 500 + 20} euros need no approval.")
+    return "\n".join(lines)
+
+
+def turn(client: httpx.Client, url: str, model: str, messages: list, method: str, max_tokens: int,
+         cache_prompt: bool = True) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "cache_prompt": cache_prompt,
+            "speculative_decoding": {"method": method}}
+    started, ttft, text, usage = time.perf_counter(), None, [], {}
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                ttft = ttft if ttft is not None else time.perf_counter() - started
+                text.append(chunk["choices"][0]["delta"]["content"])
+            usage = chunk.get("usage") or usage
+    details = usage.get("prompt_tokens_details") or {}
+    return {"ttft": ttft, "seconds": time.perf_counter() - started, "text": "".join(text),
+            "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": details.get("cached_tokens", 0)}
+
+
+def second_turn(client, url, model, way: str, nonce: str, args) -> dict:
+    first = [{"role": "user", "content": document(nonce, args.paragraphs) + "\n\nWhich queue takes kind 3?"}]
+    answer = turn(client, url, model, first, args.method, args.max_tokens)["text"]
+    if way == "restored":  # another conversation takes the one slot
+        other = [{"role": "user", "content": document(nonce + "-other", args.paragraphs) + "\n\nWho owns section 2?"}]
+        turn(client, url, model, other, args.method, args.max_tokens)
+    follow = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And kind 5?"}]
+    result = turn(client, url, model, follow, args.method, args.max_tokens, cache_prompt=way != "cold")
+    if way == "restored":  # greedy: the same text as the same turn processed from its first token
+        result["same_text_as_cold"] = result["text"] == turn(client, url, model, follow, args.method,
+                                                             args.max_tokens, cache_prompt=False)["text"]
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--paragraphs", type=int, default=30, help="length of the first turn (about 60 tokens each)")
+    parser.add_argument("--method", default="off")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    results: dict[str, list[dict]] = {way: [] for way in WAYS}
+    log = Path(tempfile.mkdtemp(prefix="specdec-parked-")) / "server.log"
+    with SpecdecServer(1, ["--method", args.method], log) as server, httpx.Client(timeout=900) as client:
+        model = served_model(server.url)
+        for repeat in range(args.repeats):
+            for offset in range(len(WAYS)):
+                way = WAYS[(repeat + offset) % len(WAYS)]
+                result = second_turn(client, server.url, model, way, f"r{repeat}-{way}", args)
+                results[way].append(result)
+                print(json.dumps({"repeat": repeat, "way": way, **{k: v for k, v in result.items() if k != "text"}}),
+                      flush=True)
+    cold = statistics.median(r["ttft"] for r in results["cold"])
+    summary = {"cpu": cpu_model_name(), "method": args.method, "repeats": args.repeats, "server_log": str(log),
+               **{way: {"ttft_median": statistics.median(r["ttft"] for r in rows),
+                        "ttft_range": [min(r["ttft"] for r in rows), max(r["ttft"] for r in rows)],
+                        "ttft_vs_cold": statistics.median(r["ttft"] for r in rows) / cold,
+                        "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rows),
+                        "cached_tokens": statistics.median(r["cached_tokens"] for r in rows)}
+                  for way, rows in results.items()}}
+    summary["restored_vs_resident"] = summary["restored"]["ttft_median"] / summary["resident"]["ttft_median"]
+    summary["restored_texts_as_cold"] = sum(r["same_text_as_cold"] for r in results["restored"])
+    print(json.dumps(summary, indent=1))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"summary": summary, "turns": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
