@@ -297,6 +297,7 @@ def test_a_prompt_start_shared_from_another_slot_gives_the_logits_of_processing_
         source.prefill(other)
         length = source.shareable_prefix(ids[:-1])
         assert 0 < length <= len(ids) - 40 and length % target.prefix_share_block == 0
+        assert target.room_to_hold(sharer.seq_id, source.seq_id, length, len(ids) + len(tail))  # cells above it
         sharer.adopt(source, length)
         sharer.prefill(ids[:-1])  # the rest of the prompt, in cells of its own
         together = target.eval_many([(sharer.seq_id, len(sharer), tail), (source.seq_id, len(source), other_tail)])

@@ -78,3 +78,29 @@ def test_only_whole_blocks_are_shared_and_only_into_an_empty_sequence():
     blocks.cells(1, [0])
     with pytest.raises(ValueError):
         blocks.share(0, 1, 8)
+
+
+def test_room_to_hold_counts_the_free_blocks_above_a_shared_start():
+    blocks = CellBlocks(48, block=8)  # six blocks
+    blocks.cells(0, range(8))  # block 0
+    blocks.cells(1, range(24))  # blocks 1, 2, 3
+    blocks.cells(2, range(8))  # block 4
+    blocks.truncate(0, 0)  # block 0 free, below sequence 1's blocks
+    assert blocks.room_to_hold(0, 1, 16, 24)  # blocks 1 and 2, then block 5
+    assert not blocks.room_to_hold(0, 1, 16, 32)  # one more: only block 0 is free, below
+    assert blocks.room_to_hold(0, 0, 0, 16)  # from scratch: blocks 0 and 5
+    assert not blocks.room_to_hold(0, 0, 0, 24)
+
+
+def test_room_to_hold_counts_the_blocks_a_sequence_gives_up():
+    blocks = CellBlocks(48, block=8)
+    blocks.cells(0, range(24))  # blocks 0, 1, 2
+    blocks.cells(1, range(24))  # blocks 3, 4, 5
+    assert blocks.room_to_hold(0, 0, 10, 24)  # keeps blocks 0 and 1: block 2 is its again
+    assert not blocks.room_to_hold(0, 0, 10, 32)
+    assert blocks.room_to_hold(1, 0, 16, 40)  # 0's blocks 0 and 1, then its own 3, 4, 5 given up
+    assert not blocks.room_to_hold(1, 0, 16, 48)  # block 2 stays sequence 0's
+    blocks.share(1, 2, 8)  # block 3 is sequence 2's too: not free when sequence 1 gives it up
+    assert not blocks.room_to_hold(1, 0, 16, 40)
+    assert blocks.room_to_hold(1, 0, 16, 32)
+    assert blocks.room_to_hold(1, 1, 24, 24)  # what it holds already

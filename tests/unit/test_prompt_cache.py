@@ -84,6 +84,22 @@ def test_parked_starts_give_way_to_a_sequence_that_needs_cells_and_it_stays_exac
     assert engine.prompt_cache.stats.evicted >= 1
 
 
+def test_the_parked_start_a_request_adopts_is_spared_while_the_others_make_room_above_it():
+    # One slot of 160 positions: 20 blocks. Parked: A in blocks 0..6 (the oldest), B in 7..13, then
+    # C in 14..15 when A's next turn takes the slot. That turn, with 90 tokens to answer, needs 12
+    # blocks above A's start: there only once B and C are dropped, A kept.
+    engine = parking_engine(n_ctx=160, max_sequences=1)
+    (answer, _), = run_together(engine, [turn(CONVERSATION_A)])
+    run_together(engine, [turn(CONVERSATION_B)])
+    run_together(engine, [turn(range(200, 210))])
+    next_turn = turn(CONVERSATION_A + tuple(answer) + (7, 8, 9), max_tokens=90, method="off")
+    (tokens, stats), = run_together(engine, [next_turn])
+    assert stats["cached_prompt_tokens"] == 56 and tokens == alone(next_turn)
+    assert engine.prompt_cache.stats.evicted == 2 and engine.prompt_cache.stats.hits == 1
+    (kept,) = engine.prompt_cache._entries
+    assert kept.sequence.tokens[:len(CONVERSATION_A)] == list(CONVERSATION_A)
+
+
 def test_the_least_recently_used_start_goes_when_every_spare_id_is_taken():
     engine = parking_engine(parked=2)
     starts = [tuple(range(base, base + 20)) for base in (40, 100, 160, 220)]

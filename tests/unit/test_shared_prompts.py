@@ -138,3 +138,47 @@ def test_a_sequence_the_cache_cannot_place_fails_alone_and_the_forward_goes_on()
                 outcome[handle] = item.finish_reason
     assert outcome[kept] == "length" and tokens == alone(req((1, 2, 3), method="off"))
     assert isinstance(outcome[cut], SpecdecError) and "no free block" in str(outcome[cut])
+
+
+def test_a_prompt_start_with_no_room_above_it_is_processed_from_scratch_in_lower_blocks():
+    # Two slots of 64 positions: 16 blocks of 8. Slot 0's first prompt takes blocks 0..7; A's
+    # prompt blocks 8..14, its answer block 15. B, into slot 0 (its blocks free again), shares
+    # SYSTEM's 6 blocks with A (8..13) but then needs two blocks above 13 for its prompt and
+    # answer, where only block 15 is ever free: processed from scratch in blocks 0..7, it fits.
+    engine = sharing_engine(n_slots=2, n_ctx=64, max_sequences=2)
+    core = engine.core
+    first = GenerationRequest(tuple(range(100, 160)), 2, spec=SpecConfig("off", 0), tenant="alice")
+    a, b = req((1, 2, 3), method="off", max_tokens=11), req(tuple(range(1, 11)), method="off", max_tokens=4)
+    handles = [core.add(first), core.add(a)]
+    tokens, outcome = {}, {}
+    while len(outcome) < 3:
+        for handle, item in core.step():
+            if isinstance(item, Failed):
+                outcome[handle] = item.error
+                continue
+            tokens.setdefault(handle, []).extend(getattr(item, "token_ids", []))
+            if getattr(item, "finish_reason", None) is not None:
+                outcome[handle] = item.finish_reason
+        if handles[0] in outcome and len(handles) == 2:
+            assert handles[1] not in outcome  # A still decodes: B's forwards are A's too
+            handles.append(core.add(b))
+    assert [outcome[handle] for handle in handles] == ["length"] * 3
+    assert tokens[handles[1]] == alone(a) and tokens[handles[2]] == alone(b)
+    assert not engine.target.shared_prefixes  # B computed its own prompt
+
+
+def test_a_slot_with_no_room_above_its_own_prompt_start_processes_the_prompt_from_scratch():
+    # Three slots of 62 positions: 23 blocks of 8, all taken: X 0..7, A 8..14, C 15..22. Then Z
+    # takes X's slot (X's blocks but one free again) and A's next turn keeps A's start (8..14) in
+    # A's slot, where its answer needs a block above 14: C holds them all. From scratch, in
+    # blocks 1..8, it fits.
+    engine = sharing_engine(n_slots=3, n_ctx=62, max_sequences=3)
+    x = GenerationRequest(tuple(range(100, 160)), 2, spec=SpecConfig("off", 0), tenant="alice")
+    c = GenerationRequest(tuple(range(200, 260)), 2, spec=SpecConfig("off", 0), tenant="alice")
+    a = req((1, 2, 3), method="off", max_tokens=3)
+    _, (answer, _), _ = run_together(engine, [x, a, c])
+    next_turn = req((1, 2, 3) + tuple(answer) + (7, 8, 9), method="off", max_tokens=4)
+    z = GenerationRequest((5, 6, 7), 6, spec=SpecConfig("off", 0), tenant="bob")
+    (tokens, stats), (z_tokens, _) = run_together(engine, [next_turn, z])
+    assert tokens == alone(next_turn) and stats["cached_prompt_tokens"] == 0
+    assert z_tokens == alone(z)

@@ -75,6 +75,12 @@ class Backend(ABC):
         """Whether seq_id can take the cells of its positions < end now (without evicting anything)."""
         return True
 
+    def room_to_hold(self, seq_id: int, source_seq: int, length: int, end: int) -> bool:
+        """Whether seq_id, holding source_seq's cached positions < length in place of what it
+        holds (its own when source_seq is seq_id), could take the cells of its positions < end
+        now; where cells are no scarcer than positions, always."""
+        return True
+
     def reserve(self, seq_id: int, end: int) -> None:
         """Make room for seq_id's positions < end before a forward it shares with other sequences:
         a SpecdecError here fails that sequence alone, where inside the forward it would fail all."""

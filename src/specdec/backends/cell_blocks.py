@@ -68,6 +68,19 @@ class CellBlocks:
         last = blocks[-1] if blocks else -1
         return len(self._free) - bisect.bisect_right(self._free, last) >= lacking
 
+    def room_to_hold(self, seq: int, source: int, length: int, end: int) -> bool:
+        """Whether `seq`, holding `source`'s positions < length in place of what it holds now (its
+        own when source is seq), could take blocks for its positions < end: enough free ones above
+        the last it would hold, counting those it would give up."""
+        kept = self._blocks.get(source, [])[:-(-length // self.block)]
+        lacking = -(-end // self.block) - len(kept)
+        if lacking <= 0:
+            return True
+        last = kept[-1] if kept else -1
+        given_up = [block for block in self._blocks.get(seq, [])
+                    if block > last and block not in kept and self._holders[block] == 1]
+        return len(self._free) - bisect.bisect_right(self._free, last) + len(given_up) >= lacking
+
     def keepable(self, seq: int, length: int) -> int:
         """The longest prefix up to `length` that `seq` may keep and write after: never part of a
         block it shares (the positions after the cut sit in cells another sequence still holds)."""

@@ -153,6 +153,9 @@ class FakeBackend(Backend):
     def has_room(self, seq_id: int, end: int) -> bool:
         return self._blocks is None or end <= 0 or self._blocks.room(seq_id, end)
 
+    def room_to_hold(self, seq_id: int, source_seq: int, length: int, end: int) -> bool:
+        return self._blocks is None or end <= 0 or self._blocks.room_to_hold(seq_id, source_seq, length, end)
+
     def keepable(self, seq_id: int, length: int) -> int:
         return self._blocks.keepable(seq_id, length) if self._blocks is not None else length
 

@@ -244,6 +244,12 @@ class LlamaFamilyBackend(Backend):
         # A padded call writes up to min_rows - 1 cells past a sequence's last position.
         return library_thread.call(self._cell_blocks.room, self._context_of(seq_id)[1], end + self.rules.min_rows - 1)
 
+    def room_to_hold(self, seq_id: int, source_seq: int, length: int, end: int) -> bool:
+        if not self.rules.cell_ranges or end <= 0:
+            return True
+        (_, local_id), (_, source) = self._context_of(seq_id), self._context_of(source_seq)
+        return library_thread.call(self._cell_blocks.room_to_hold, local_id, source, length, end + self.rules.min_rows - 1)
+
     def reserve(self, seq_id: int, end: int) -> None:
         if self.rules.cell_ranges and end > 0:
             local_id = self._context_of(seq_id)[1]

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 from specdec.engine.decoder import Generation
-from specdec.engine.sequence import common_prefix_length
+from specdec.engine.prompt_cache import Parked
+from specdec.engine.sequence import CachedSequence, common_prefix_length
 from specdec.sampling.logprobs import token_logprobs
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent, TokenLogprob
 
@@ -248,6 +249,20 @@ class EngineCore:
         while cache is not None and not target.has_room(seq_id, end) and cache.evict_one():
             pass
 
+    def _room_to_hold(self, seq_id: int, source_seq: int, length: int, end: int, sparing: Optional[Parked] = None) -> bool:
+        """Whether seq_id, holding source_seq's positions < length, will have room for its
+        positions < end; parked prompt starts but `sparing` give way, least recently used first."""
+        cache, target = self.engine.prompt_cache, self.engine.target
+        while not target.room_to_hold(seq_id, source_seq, length, end):
+            if cache is None or not cache.evict_one(sparing):
+                return False
+        return True
+
+    def _expected_end(self, request: GenerationRequest) -> int:
+        """Where the request's positions end if it generates all it may."""
+        n_ctx, most = self.engine.target.n_ctx, request.max_tokens
+        return min(n_ctx, len(request.prompt_token_ids) + (n_ctx if most is None else most))
+
     def _prefill(self, items: list, budget: int) -> None:
         for handle, active in list(self._active.items()):
             if active.started or active.generation is None:
@@ -262,8 +277,9 @@ class EngineCore:
                 items.extend((handle, item) for item in self._guarded(items, handle, self._start, active) or ())
 
     def _share_prompt_start(self, handle: int, active: _Active) -> bool:
-        """Take the longest start of this request's prompt that another slot has computed (the
-        same tenant's); True if an earlier request is computing a longer one, to wait for it."""
+        """Take the longest start of this request's prompt that another slot has computed or a
+        parked one holds (the same tenant's), if the rest will have room above it; True if an
+        earlier request is computing a longer one, to wait for it."""
         share = self.engine.target.prefix_share_block
         if not share or active.scoring or not self.engine.config.prefix_cache:
             return False
@@ -278,13 +294,30 @@ class EngineCore:
         cache = self.engine.prompt_cache
         parked, length = cache.best(active.request.tenant, prefix) \
             if cache is not None and self._may_reuse_cache(active.request) else (None, 0)
-        if cache is not None and parked is not None and length > best:
-            own.adopt(parked.sequence, length)
-            cache.restored(parked, length)
+        # The longest start first: a parked one, another slot's, this slot's own, none. A sequence's
+        # blocks only rise, so a start is taken only if the rest of the prompt and the answer will
+        # find blocks above it; processed from scratch, they may sit in free blocks below. If none
+        # has room, the longest still held is taken: the request fails alone if it gets that far.
+        options: list[tuple[CachedSequence, int, Optional[Parked]]] = []
+        if parked is not None and length > best:
+            options.append((parked.sequence, length, parked))
+        if source is not None:
+            options.append((self.engine.slots[source].target, best, None))
+        options += [(own, len(own.tokens), None), (own, 0, None)]
+        end = self._expected_end(active.request)
+        chosen = next((option for option in options
+                       if self._room_to_hold(own.seq_id, option[0].seq_id, option[1], end, sparing=option[2])), None)
+        if chosen is None:  # every parked start was dropped looking for room
+            chosen = next(option for option in options if option[2] is None)
+        holder, length, entry = chosen
+        if holder is not own:
+            own.adopt(holder, length)
+            if cache is not None and entry is not None:
+                cache.restored(entry, length)
             active.admitted.cached_prompt_tokens = length
-        elif source is not None:
-            own.adopt(self.engine.slots[source].target, best)
-            active.admitted.cached_prompt_tokens = best
+        elif length < len(own.tokens):
+            own.clear()
+            active.admitted.cached_prompt_tokens = 0
         # Waiting pays when the earlier request will compute at least one more block we can take.
         unit = math.lcm(share, own.alignment)
         for other_handle, other in self._active.items():
@@ -332,8 +365,7 @@ class EngineCore:
         if end > done:
             # Room for the whole generation before its cells are placed: a sequence's cells only
             # rise, and parked starts dropped later would free cells below it.
-            n_ctx, most = self.engine.target.n_ctx, active.request.max_tokens
-            self._make_room(slot.target.seq_id, min(n_ctx, len(active.request.prompt_token_ids) + (n_ctx if most is None else most)))
+            self._make_room(slot.target.seq_id, self._expected_end(active.request))
             slot.target.prefill(prefix[:end])
         active.admitted.drafter.prefill(prefix[:end])  # a draft model keeps its cache in step itself
         return end - done

@@ -11,7 +11,9 @@ so a restored start is bit-identical to the same start processed again.
 
 Parked starts hold cells no running sequence uses; a sequence that needs cells gets them first:
 the least recently used parked start is dropped until it has room (EngineCore._make_room), as is
-one when every spare id is taken. Never across tenants: a start is found only for its own tenant.
+one when every spare id is taken. A request about to adopt a start checks first that it will have
+room above its blocks, the others dropped if need be (EngineCore._room_to_hold). Never across
+tenants: a start is found only for its own tenant.
 """
 from __future__ import annotations
 
@@ -99,11 +101,13 @@ class PromptCache:
         self.stats.hits += 1
         self.stats.tokens_restored += tokens
 
-    def evict_one(self) -> bool:
-        """Drop the least recently used parked start; False when none is left."""
-        if not self._entries:
+    def evict_one(self, sparing: Optional[Parked] = None) -> bool:
+        """Drop the least recently used parked start but `sparing` (one a request is about to
+        adopt); False when none is left."""
+        candidates = [entry for entry in self._entries if entry is not sparing]
+        if not candidates:
             return False
-        self._drop(min(self._entries, key=lambda entry: entry.used))
+        self._drop(min(candidates, key=lambda entry: entry.used))
         self.stats.evicted += 1
         return True
 
