@@ -22,6 +22,7 @@ from specdec.backends.registry import TORCH, BackendConfig
 from specdec.bench.datasets import SPEC_BENCH, load_prompts, spec_bench_path
 from specdec.bench.peers import (HF_ASSISTED, LLAMA_SERVER, RUN, parse_peers, peer_status, run_hf_assisted,
                                  run_llama_server)
+from specdec.bench.rates import add_rate_arguments
 from specdec.bench.records import RECORDS_FILE, RecordFile
 from specdec.bench.report import build_report
 from specdec.bench.runner import (SOURCE, BenchSettings, Runner, compared_source, on_backend, parse_bench_configs,
@@ -87,10 +88,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "does, interleaved with the HTTP requests (the server's tax)")
     server.add_argument("--llama-server-specs", default="plain,ngram-simple:k3",
                         help="llama-server configurations: plain, ngram-simple:kK, draft:kK (default plain,ngram-simple:k3)")
+    add_rate_arguments(parser)
     add_model_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.request_rate is not None:
+        from specdec.bench import rates
+
+        return rates.run(args)
     return run_server_bench(args) if args.server else run_bench(args)
 
 

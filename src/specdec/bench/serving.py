@@ -24,9 +24,10 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import httpx
 
@@ -269,11 +270,15 @@ def llama_server_options(binary: str, target: str, draft: Optional[str], slots: 
     return ServerOptions(binary, target, num_draft_tokens=int(k), spec_type=kind, slots=slots)
 
 
-def run(prompts: Sequence[BenchPrompt], methods: Sequence[str], levels: Sequence[int], max_tokens: int,
-        repeats: int, out: Path, serve_args: Sequence[str], llama_server: Optional[str],
-        llama_server_specs: Sequence[str], target: str, draft: Optional[str], engine=None) -> list[dict]:
+@contextmanager
+def started_configs(prompts: Sequence[BenchPrompt], methods: Sequence[str], slots: int, out: Path,
+                    serve_args: Sequence[str], llama_server: Optional[str], llama_server_specs: Sequence[str],
+                    target: str, draft: Optional[str], engine=None) -> Iterator[list[ServedConfig]]:
+    """Every server under test started and warmed up (one unrecorded request each), as the
+    configurations to measure; all stopped when the block ends. One `specdec serve --parallel
+    SLOTS` serves every method, one `llama-server -np SLOTS` each peer spec; each stays idle while
+    another is measured. Used by the waves (`run`) and the request-rate runs (bench/rates.py)."""
     out.mkdir(parents=True, exist_ok=True)
-    slots = max(levels)
     peers = [LlamaServer(llama_server_options(llama_server, target, draft, slots, spec), out / f"llama-server-{spec}.log")
              for spec in llama_server_specs] if llama_server else []
     with SpecdecServer(slots, serve_args, out / "specdec-serve.log") as server:
@@ -288,10 +293,18 @@ def run(prompts: Sequence[BenchPrompt], methods: Sequence[str], levels: Sequence
                 configs += [ServedConfig(f"engine:{method}", "", method, engine=engine) for method in methods]
             for config in configs:  # warm-up, unrecorded
                 asyncio.run(run_wave(config, prompts[:1], 8))
-            records = run_levels(configs, prompts, levels, max_tokens, repeats, out / "server-records.jsonl")
+            yield configs
         finally:
             for peer in started:
                 peer.stop()
+
+
+def run(prompts: Sequence[BenchPrompt], methods: Sequence[str], levels: Sequence[int], max_tokens: int,
+        repeats: int, out: Path, serve_args: Sequence[str], llama_server: Optional[str],
+        llama_server_specs: Sequence[str], target: str, draft: Optional[str], engine=None) -> list[dict]:
+    with started_configs(prompts, methods, max(levels), out, serve_args, llama_server, llama_server_specs, target,
+                         draft, engine) as configs:
+        records = run_levels(configs, prompts, levels, max_tokens, repeats, out / "server-records.jsonl")
     rows = summarize(records, configs, levels)
     (out / "server-report.json").write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
     (out / "server-report.md").write_text(format_table(rows) + "\n", encoding="utf-8")

@@ -10,7 +10,7 @@ import numpy as np
 
 LINEAR = "linear"  # numpy's linear interpolation between the two nearest ranks
 NEAREST_RANK = "nearest"  # a value that occurred (bench --server's published tables used it)
-PERCENTILES = (25, 50, 75, 95, 99)
+PERCENTILES = (25, 50, 75, 90, 95, 99)
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float], method: str = LINEAR) -> list[float]:
@@ -33,6 +33,7 @@ class Spread:
     p25: float
     p50: float
     p75: float
+    p90: float
     p95: float
     p99: float
 
@@ -40,7 +41,7 @@ class Spread:
 def spread(values: Sequence[float], method: str = LINEAR) -> Optional[Spread]:
     """Count, mean, median, range and PERCENTILES of `values`; None when there are none.
 
-    Example: [40, 10, 30, 20] -> mean 25, median 25, p25 17.5, p75 32.5, p95 38.5, min 10, max 40.
+    Example: [40, 10, 30, 20] -> mean 25, median 25, p25 17.5, p75 32.5, p90 37, p95 38.5, min 10, max 40.
     """
     if not len(values):
         return None
