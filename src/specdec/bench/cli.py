@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 from specdec.backends.base import default_threads
 from specdec.backends.registry import TORCH, BackendConfig
+from specdec.bench import sessions
 from specdec.bench.datasets import SPEC_BENCH, load_prompts, spec_bench_path
 from specdec.bench.peers import (HF_ASSISTED, LLAMA_SERVER, RUN, parse_peers, peer_status, run_hf_assisted,
                                  run_llama_server)
@@ -87,10 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "does, interleaved with the HTTP requests (the server's tax)")
     server.add_argument("--llama-server-specs", default="plain,ngram-simple:k3",
                         help="llama-server configurations: plain, ngram-simple:kK, draft:kK (default plain,ngram-simple:k3)")
+    sessions.add_arguments(parser)
     add_model_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sessions is not None:
+        return sessions.run_cli(args)
     return run_server_bench(args) if args.server else run_bench(args)
 
 
