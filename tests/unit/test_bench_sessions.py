@@ -196,6 +196,9 @@ def test_a_run_records_every_turn_and_reports_each_configuration_and_level(tmp_p
         assert row["ttft_first_median"] is not None and row["ttft_later_median"] is not None
         assert row["session_seconds_median"] >= row["turn_seconds_median"]
     assert by[("specdec:off", 1)]["cached_share_later"] > 0.5
+    assert by[("specdec:off", 1)]["ttft_later_vs_alone"] == 1.0
+    assert by[("specdec:off", 4)]["ttft_later_vs_alone"] == pytest.approx(
+        by[("specdec:off", 4)]["ttft_later_median"] / by[("specdec:off", 1)]["ttft_later_median"])
     assert mismatches == []
     table = sessions.write_report(records, ["specdec:off", "specdec:ngram"], (1, 2, 4), tmp_path)
     assert "| specdec:ngram | 4 |" in table and table.count("\n") == len(rows) + 1
@@ -231,6 +234,7 @@ def test_texts_that_differ_from_the_session_alone_are_listed():
 def test_without_off_alone_the_texts_are_not_compared():
     rows, _ = sessions.summarize([_record("llama-server:plain", 4, "s-001", 0, "a")], ["llama-server:plain"], (4,))
     assert rows[0]["texts_as_off_alone"] is None and rows[0]["texts_as_alone"] is None
+    assert rows[0]["ttft_later_vs_alone"] is None
     assert "| llama-server:plain | 4 |" in sessions.format_report(rows, [])
 
 

@@ -265,8 +265,8 @@ def summarize(records: Sequence[dict], labels: Sequence[str], levels: Sequence[i
             later = [r for r in ok if r["turn"] > 0]
             prompt = sum(r["prompt_tokens"] or 0 for r in later if r["cached_tokens"] is not None)
             cached = sum(r["cached_tokens"] for r in later if r["cached_tokens"] is not None)
-            row = {"config": label, "level": level, "turns": len(mine), "errors": len(mine) - len(ok),
-                   "sessions": len({(r["session"], r["repeat"]) for r in mine})}
+            row: dict[str, Any] = {"config": label, "level": level, "turns": len(mine), "errors": len(mine) - len(ok),
+                                   "sessions": len({(r["session"], r["repeat"]) for r in mine})}
             for name, values in (("turn_seconds", [r["seconds"] for r in ok]),
                                  ("ttft_first", [r["ttft"] for r in ok if r["turn"] == 0 and r["ttft"] is not None]),
                                  ("ttft_later", [r["ttft"] for r in later if r["ttft"] is not None]),
@@ -285,6 +285,11 @@ def summarize(records: Sequence[dict], labels: Sequence[str], levels: Sequence[i
                 mismatches += [{"config": label, "level": level, "repeat": r["repeat"], "session": r["session"],
                                 "turn": r["turn"], "against": against} for r in differ]
             rows.append(row)
+    alone_ttft = {row["config"]: row["ttft_later_median"] for row in rows if row["level"] == 1}
+    for row in rows:  # later turns' TTFT against the same configuration's with one session at a time
+        alone_median = alone_ttft.get(row["config"])
+        row["ttft_later_vs_alone"] = row["ttft_later_median"] / alone_median \
+            if alone_median and row["ttft_later_median"] is not None else None
     return rows, mismatches
 
 
@@ -297,11 +302,12 @@ def format_report(rows: Sequence[dict], mismatches: Sequence[dict]) -> str:
         median, span = row[f"{name}_median"], cells.span(row[f"{name}_p25"], row[f"{name}_p75"], spec)
         return f"{cells.number(median, spec)} ({span})"
 
-    header = ["config", "sessions at once", "turn s, median (IQR)", "TTFT turn 1 s", "TTFT later turns s",
+    header = ["config", "sessions at once", "turn s, median (IQR)", "TTFT turn 1 s", "TTFT later turns s", "vs 1 at once",
               "decode tok/s", "session total s", "later turns' prompt cached", "texts as off alone",
               "texts as itself alone", "errors"]
     lines = markdown_table(header, [
         [r["config"], r["level"], iqr(r, "turn_seconds"), iqr(r, "ttft_first", ".3f"), iqr(r, "ttft_later", ".3f"),
+         cells.number(r["ttft_later_vs_alone"], ".2f", "×"),
          iqr(r, "decode_tokens_per_second", ".1f"), iqr(r, "session_seconds", ".1f"),
          cells.number(None if r["cached_share_later"] is None else r["cached_share_later"] * 100, ".0f", " %"),
          r["texts_as_off_alone"] or cells.missing, r["texts_as_alone"] or cells.missing, r["errors"]]
