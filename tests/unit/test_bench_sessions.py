@@ -206,6 +206,24 @@ def test_a_run_records_every_turn_and_reports_each_configuration_and_level(tmp_p
     assert (tmp_path / "session-report.md").read_text() == table + "\n"
 
 
+def test_the_shipped_sessions_replay_and_later_turns_find_their_start_cached(tmp_path):
+    @contextmanager
+    def start():
+        app = create_app(Engine(FakeBackend(seed=7, n_ctx=16384), n_slots=2), ServerConfig(served_model_name="fake"))
+        with serve_in_thread(app) as (url, _):
+            yield url
+
+    cycled = sessions.cycle_sessions(sessions.load_shipped(), 3)
+    records = sessions.run_sessions([sessions.SessionServer("specdec:off", start, "off")], cycled, (1,), 2, 8, 1,
+                                    tmp_path / sessions.RECORDS, progress=lambda line: None)
+    assert len(records) == sum(len(s.turns) for s in cycled) and all(r["error"] is None for r in records)
+    for previous, turn in zip(records, records[1:]):
+        if turn["turn"] > 0:  # the whole previous prompt, and more, is cached
+            assert turn["cached_tokens"] > previous["prompt_tokens"]
+        else:  # another session: at most the chat template's start is shared
+            assert turn["cached_tokens"] < 50
+
+
 def _record(config, level, session, turn, text, repeat=0):
     return {"config": config, "level": level, "repeat": repeat, "session": session, "kind": "k", "turn": turn,
             "error": None, "text": text, "prompt_tokens": 10, "cached_tokens": 5, "tokens": 3, "ttft": 0.1,
