@@ -129,6 +129,12 @@ def test_a_failed_turn_ends_the_session():
                       ServedConfig("specdec:auto", "http://s", "auto", "m"))
     assert len(records) == 1 and records[0]["error"].startswith("HTTP 503")
 
+    def garbled(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"data: {not json\n\n")
+
+    records = _replay(garbled, sessions.cycle_sessions(TEMPLATES, 1)[0])
+    assert len(records) == 1 and records[0]["error"].startswith("JSONDecodeError")
+
 
 # -- a run against servers on the fake backend ----------------------------------------------------
 

@@ -157,7 +157,7 @@ async def replay(client: httpx.AsyncClient, config: ServedConfig, session: Sessi
             started_at = time.time()
             try:
                 measured = await _stream(client, config.url, body)
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, ValueError) as exc:  # ValueError: a stream line that is not JSON
                 measured = RequestRecord(error=f"{type(exc).__name__}: {exc}")
             measured = replace(measured, started_at=started_at, finished_at=time.time())
         records.append(session_record(config, session, index, measured, queued))
