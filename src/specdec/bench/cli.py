@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 from specdec.backends.base import default_threads
 from specdec.backends.registry import TORCH, BackendConfig
+from specdec.bench import sessions
 from specdec.bench.datasets import SPEC_BENCH, load_prompts, spec_bench_path
 from specdec.bench.peers import (HF_ASSISTED, LLAMA_SERVER, RUN, parse_peers, peer_status, run_hf_assisted,
                                  run_llama_server)
@@ -89,14 +90,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--llama-server-specs", default="plain,ngram-simple:k3",
                         help="llama-server configurations: plain, ngram-simple:kK, draft:kK (default plain,ngram-simple:k3)")
     add_rate_arguments(parser)
+    sessions.add_arguments(parser)
     add_model_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sessions is not None and args.request_rate is not None:
+        raise SpecdecError("--sessions and --request-rate are separate runs: give one of them.")
     if args.request_rate is not None:
         from specdec.bench import rates
 
         return rates.run(args)
+    if args.sessions is not None:
+        return sessions.run_cli(args)
     return run_server_bench(args) if args.server else run_bench(args)
 
 

@@ -84,12 +84,15 @@ class ServerOptions:
     threads: Optional[int] = None
     spec_type: Optional[str] = None  # None: the run without speculation
     slots: int = 1  # -np: sequences served at once, each with ctx_size cells
+    cache_ram_mib: Optional[int] = None  # --cache-ram: host memory for prompts moved out of the slots (None: its default)
 
     def command(self, port: int) -> list[str]:
         cmd = [self.binary, "-m", self.target, "--host", "127.0.0.1", "--port", str(port),
                "-c", str(self.ctx_size * self.slots), "-np", str(self.slots), "--no-webui"]
         if self.threads:
             cmd += ["-t", str(self.threads)]
+        if self.cache_ram_mib is not None:
+            cmd += ["--cache-ram", str(self.cache_ram_mib)]
         if self.spec_type is not None:
             if self.draft is not None:
                 cmd += ["-md", self.draft]

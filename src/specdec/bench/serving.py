@@ -86,7 +86,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> RequestRec
     """One streamed chat completion, each chunk of text timed as it arrives."""
     started = time.perf_counter()
     chunks: list[float] = []
-    text, usage, error = [], None, None
+    text, usage, timings, error = [], None, None, None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             return RequestRecord(error=f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
@@ -98,6 +98,8 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> RequestRec
                 error = json.dumps(chunk["error"])[:300]
             if chunk.get("usage"):
                 usage = chunk["usage"]
+            if chunk.get("timings"):  # llama-server's, cache_n among them
+                timings = chunk["timings"]
             for choice in chunk.get("choices") or ():
                 content = (choice.get("delta") or {}).get("content")
                 if content:
@@ -108,8 +110,12 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> RequestRec
     timing = stream_timing([(t, 1) for t in chunks], started, tokens)  # an HTTP chunk's token count is unknown
     own = {"server_decode_tokens_per_second": ((usage or {}).get("speculative") or {}).get("tokens_per_second"),
            "chunk_gaps": [b - a for a, b in zip(chunks, chunks[1:])]}
-    return RequestRecord(text="".join(text), completion_tokens=tokens, error=error, wall_seconds=ended - started,
-                         ttft_seconds=timing.ttft_seconds, decode_tokens_per_second=timing.decode_tokens_per_second,
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None:
+        cached = (timings or {}).get("cache_n")
+    return RequestRecord(text="".join(text), completion_tokens=tokens, prompt_tokens=(usage or {}).get("prompt_tokens"),
+                         error=error, wall_seconds=ended - started, ttft_seconds=timing.ttft_seconds,
+                         decode_tokens_per_second=timing.decode_tokens_per_second, stats={"cached_tokens": cached},
                          fields=own)
 
 
