@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import codecs
 from collections import deque
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 from specdec.server.protocol import (
     ChatTokenLogprob, ChoiceLogprobs, PromptTokensDetails, TextLogprobs, TopLogprob, Usage,
 )
+from specdec.server.errors import RawJSON, json_text
 from specdec.server.tickets import Item, Ticket, is_final
 from specdec.types import TokenLogprob
 
@@ -76,11 +77,35 @@ class TextLogprobBuilder:
         return TextLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=tops, text_offset=offsets)
 
 
-def joined(first: TextLogprobs, second: TextLogprobs) -> TextLogprobs:
-    """An echoed prompt's logprobs followed by its completion's."""
-    return TextLogprobs(tokens=first.tokens + second.tokens, token_logprobs=first.token_logprobs + second.token_logprobs,
-                        top_logprobs=first.top_logprobs + second.top_logprobs,
-                        text_offset=first.text_offset + second.text_offset)
+# Tokens whose logprobs are built and encoded at a time, for an answer that is not streamed.
+DUMP_TOKENS = 64
+Columns = dict[str, list[str]]  # a logprobs object's fields, each as pieces of its list's JSON text
+
+
+def logprob_columns(builder: Union[ChatLogprobBuilder, TextLogprobBuilder], entries: Sequence[Optional[TokenLogprob]],
+                    token_ids: Sequence[int]) -> Columns:
+    """What `builder.build(entries, token_ids)` is as JSON, a field at a time, built and encoded
+    DUMP_TOKENS tokens at a time (on a worker thread: serving.respond): pydantic-core and the JSON
+    encoder hold the GIL through each call, and an answer held as thousands of small objects
+    makes every full garbage collection meanwhile walk them all, holding the GIL too. Every field
+    of either shape is a list with an item per token (the text builder's offsets run on)."""
+    columns: Columns = {}
+    for start in range(0, max(len(token_ids), 1), DUMP_TOKENS):
+        # arg-type: None entries (an echoed prompt's first token) go only to the text builder
+        part = builder.build(entries[start:start + DUMP_TOKENS], token_ids[start:start + DUMP_TOKENS])  # type: ignore[arg-type]
+        for name, values in part.model_dump(mode="json").items():
+            column = columns.setdefault(name, [])
+            if values:
+                column.append(json_text(values)[1:-1])  # the items comma-separated, without the brackets
+    return columns
+
+
+def logprobs_json(*parts: Columns) -> RawJSON:
+    """The logprobs object whose every list is the parts' lists one after the other (an echoed
+    prompt's, then its completion's), as JSON text."""
+    names = list(parts[0])
+    fields = [f"{json_text(name)}:[{','.join(piece for part in parts for piece in part[name])}]" for name in names]
+    return RawJSON("{" + ",".join(fields) + "}")
 
 
 class LogprobQueue:

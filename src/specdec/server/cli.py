@@ -84,6 +84,10 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     limit("--max-prompt-bytes", type=int, default=None, metavar="N",
           help="a prompt of more bytes of text is refused before it is tokenized (default: the context "
                "x 64 bytes, more than any prompt that fits it)")
+    limit("--max-unstreamed-logprobs", type=int, default=SERVER.max_unstreamed_logprobs, metavar="N",
+          help="log-probability entries (n x tokens x (top logprobs + 1)) an answer that is not streamed may "
+               "hold; a request that could need more is a 400 asking it to stream "
+               f"(default {SERVER.max_unstreamed_logprobs})")
     limit("--body-timeout", type=float, default=SERVER.body_timeout, metavar="SECONDS",
           help=f"seconds for a request body to arrive, then 408 (default {SERVER.body_timeout:g})")
     limit("--header-timeout", type=float, default=SERVER.header_timeout, metavar="SECONDS",

@@ -14,9 +14,12 @@ from fastapi import Request
 from starlette.responses import Response
 
 from specdec.engine.engine import Engine
-from specdec.server.choices import ChatLogprobBuilder, LogprobQueue, TextLogprobBuilder, joined, usage_of_prompts
+from specdec.server.choices import (
+    ChatLogprobBuilder, Columns, LogprobQueue, TextLogprobBuilder, logprob_columns, logprobs_json, usage_of_prompts,
+)
 from specdec.server.convert import (
-    check_model, check_prompt_size, choice_requests, encode_prompt, generation_request, prompts_of,
+    check_model, check_prompt_size, check_unstreamed_size, choice_requests, encode_prompt, generation_request,
+    logprob_entries, prompts_of,
 )
 from specdec.server.pieces import TokenPieces
 from specdec.server.protocol import (
@@ -28,7 +31,7 @@ from specdec.server.serving import (
 )
 from specdec.server.speculative import HISTORY_SOURCES, SourceAnnotator, wants_rejected
 from specdec.server.sse import DONE, KEEPALIVE, sse_data, sse_error
-from specdec.server.errors import APIError
+from specdec.server.errors import APIError, RawJSON
 from specdec.server.tickets import Started
 from specdec.server.tools import ToolCallDelta, ToolStreamParser, calls_finish_reason, parse_output, tool_names
 from specdec.types import GenerationRequest, StreamEvent, TokenLogprob
@@ -50,10 +53,16 @@ async def complete(request: Request, body: Body) -> Response:
 
     def prepare(engine: Engine) -> list[GenerationRequest]:
         requests = []
+        entries = 0  # log-probability entries the whole answer may hold
         for prompt in prompts:
             ids = encode_prompt(engine, prompt)
             encoded.append(ids)
-            requests += choice_requests(generation_request(engine, state.config, prompt, ids, tenant), n)
+            first = generation_request(engine, state.config, prompt, ids, tenant)
+            entries += n * logprob_entries(first, engine.target.n_ctx)
+            requests += choice_requests(first, n)
+        if not body.stream:
+            check_unstreamed_size(state.config, entries,
+                                  "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs")
         return requests
 
     def precheck(engine: Engine) -> None:
@@ -72,7 +81,8 @@ async def complete(request: Request, body: Body) -> Response:
                                 pieces=TokenPieces(token_bytes) if state.config.stream_one_token_per_chunk else None,
                                 annotator=annotator_for(request, options))
                    for index in range(len(merge.tickets))]
-        return CompletionStream(fmt, choices, bool(options and options.include_usage), n)
+        scored = logprobs and any(echo is not None for echo in echoes)
+        return CompletionStream(fmt, choices, bool(options and options.include_usage), n, scored)
 
     return await respond(request, merge, stream=bool(body.stream), writer=writer,
                          whole=lambda results: _response(fmt, results, token_bytes, logprobs, echoes, n),
@@ -175,8 +185,12 @@ def _echo(engine: Engine, body: Body, prompt_ids: list[int]) -> Optional[tuple[s
 
 def _response(fmt: Format, results: list[Collected], token_bytes: Callable[[int], bytes], logprobs: bool,
               echoes: Sequence[Optional[tuple[str, list[int]]]], n: int) -> dict:
+    """The whole answer, ready for json_bytes (on a worker thread: serving.respond); each choice's
+    logprobs built and encoded a slice of tokens at a time (choices.logprob_columns)."""
     usage = usage_of_prompts([result.stats for result in results], n)
     choices: list = []  # the format's ChatChoice or CompletionChoice
+    encoded: list[RawJSON] = []  # each choice's logprobs, as JSON text
+    prompts: dict[int, Columns] = {}  # each echoed prompt's logprobs, built once for its n choices
     response = None
     for index, result in enumerate(results):
         echo = echoes[index // n]
@@ -187,22 +201,42 @@ def _response(fmt: Format, results: list[Collected], token_bytes: Callable[[int]
         choice.index = index
         if logprobs:
             builder = fmt.logprobs_builder(token_bytes)
-            prompt = _echo_logprobs(builder, echo, result.started) if echo is not None else None
-            generated = builder.build(result.logprobs, [entry.token_id for entry in result.logprobs])
-            # cast: only a text completion echoes its prompt
-            choice.logprobs = generated if prompt is None else joined(prompt, cast(TextLogprobs, generated))
+            parts = []
+            if echo is not None:
+                if index // n not in prompts:  # scored by the prompt's first choice (convert.choice_requests)
+                    prompts[index // n] = _echo_columns(token_bytes, echo, results[index // n * n].started)
+                parts.append(prompts[index // n])
+                # cast: only a text completion echoes its prompt
+                cast(TextLogprobBuilder, builder).offset = len(echo[0])
+            parts.append(logprob_columns(builder, result.logprobs, [entry.token_id for entry in result.logprobs]))
+            encoded.append(logprobs_json(*parts))
         choices.append(choice)
     assert response is not None
     response.choices = choices
-    return response.model_dump(mode="json")
+    data = response.model_dump(mode="json")
+    for dumped, text in zip(data["choices"], encoded):
+        dumped["logprobs"] = text
+    return data
 
 
-def _echo_logprobs(builder, echo: tuple[str, list[int]], started: Optional[Started]):
-    """The echoed prompt's logprobs (its first token has none), and the completion's offsets after it."""
-    text, ids = echo
+def _prompt_entries(echo: tuple[str, list[int]], started: Optional[Started]) -> tuple[list, list[int]]:
+    """The echoed prompt's logprob entries (its first token has none) and their tokens, as the
+    prompt's first choice scored them for all its choices (convert.choice_requests)."""
+    ids = echo[1]
     scored = started.prompt_logprobs if started is not None and started.prompt_logprobs is not None else []
-    prompt = builder.build([None, *scored], ids[:len(scored) + 1])
-    builder.offset = len(text)
+    return [None, *scored], ids[:len(scored) + 1]
+
+
+def _echo_columns(token_bytes: Callable[[int], bytes], echo: tuple[str, list[int]],
+                  started: Optional[Started]) -> Columns:
+    """The echoed prompt's logprobs, encoded."""
+    return logprob_columns(TextLogprobBuilder(token_bytes), *_prompt_entries(echo, started))
+
+
+def _echo_logprobs(builder: TextLogprobBuilder, echo: tuple[str, list[int]], started: Optional[Started]) -> TextLogprobs:
+    """The echoed prompt's logprobs, streamed; the builder's offsets continue after it."""
+    prompt = builder.build(*_prompt_entries(echo, started))
+    builder.offset = len(echo[0])
     return prompt
 
 
@@ -234,12 +268,15 @@ class StreamChoice:
         self.builder = fmt.logprobs_builder(token_bytes) if logprobs else None
         self.tools = fmt.tool_parser()  # content vs tool calls
 
-    def opening(self, started: Started) -> list:
+    def opening(self, scored: Optional[Started] = None) -> list:
+        """The choice's first chunks; `scored`: the Started of the choice that scored the prompt
+        (its first), whose logprobs go with the echoed prompt."""
         chunks = list(self.fmt.opening())
         if self.echo is not None:
             chunk = self.fmt.chunk(self.echo[0])
             if self.builder is not None:
-                chunk.choices[0].logprobs = _echo_logprobs(self.builder, self.echo, started)
+                # cast: only a text completion echoes its prompt
+                chunk.choices[0].logprobs = _echo_logprobs(cast(TextLogprobBuilder, self.builder), self.echo, scored)
             chunks.append(chunk)
         return self._indexed(chunks)
 
@@ -311,25 +348,48 @@ class CompletionStream:
     and `data: [DONE]`. A failure is ONE error event, `data: {"error": {...}}` (OpenAI's shape, which
     the `openai` client raises as APIError), then `[DONE]`; a wait is a `: keep-alive` comment."""
 
-    def __init__(self, fmt: Format, choices: list[StreamChoice], include_usage: bool, n: int):
+    def __init__(self, fmt: Format, choices: list[StreamChoice], include_usage: bool, n: int, scored: bool = False):
         self.fmt, self.choices, self.include_usage, self.n = fmt, choices, include_usage, n
         self.stats: list[dict] = [{} for _ in choices]
+        # `scored` (echo with logprobs): a prompt's first choice scores it for all; the others'
+        # items wait here until its Started brings the prompt's logprobs.
+        self.scorers: dict[int, Started] = {}  # prompt -> its first choice's Started
+        self.held: Optional[dict[int, list[Union[Started, StreamEvent]]]] = {} if scored else None
 
     def begin(self) -> list[bytes]:
         return []
 
     def item(self, index: int, item: Union[Started, StreamEvent]) -> list[bytes]:
+        prompt, first = divmod(index, self.n)
+        if self.held is None:
+            return self._written(index, item, item if isinstance(item, Started) else None)
+        if first == 0 and isinstance(item, Started):
+            self.scorers[prompt] = item
+            written = self._written(index, item, item)
+            for other in range(index + 1, index + self.n):
+                for held in self.held.pop(other, []):
+                    written += self._written(other, held, item)
+            return written
+        if prompt not in self.scorers:
+            self.held.setdefault(index, []).append(item)
+            return []
+        return self._written(index, item, self.scorers[prompt])
+
+    def _written(self, index: int, item: Union[Started, StreamEvent], scored: Optional[Started]) -> list[bytes]:
         choice = self.choices[index]
         if isinstance(item, Started):
-            return [sse_data(chunk) for chunk in choice.opening(item)]
+            return [sse_data(chunk) for chunk in choice.opening(scored)]
         if item.finish_reason is not None:
             self.stats[index] = item.stats or {}
         return [sse_data(chunk) for chunk in choice.chunks(item)]
 
     def end(self) -> list[bytes]:
+        # Items still held (a prompt's first choice ended without starting): without the prompt's logprobs.
+        written = [data for index, items in sorted((self.held or {}).items()) for item in items
+                   for data in self._written(index, item, None)]
         if not self.include_usage:
-            return [DONE]
-        return [sse_data(self.fmt.usage_chunk(usage_of_prompts(self.stats, self.n))), DONE]
+            return [*written, DONE]
+        return [*written, sse_data(self.fmt.usage_chunk(usage_of_prompts(self.stats, self.n))), DONE]
 
     def failure(self, error: APIError) -> list[bytes]:
         return [sse_error(error), DONE]

@@ -45,6 +45,9 @@ class ServerConfig:
     # -- hostile clients (server/limits.py, docs/server.md "Reliability") -----------------------------
     max_body_bytes: int = 8 * MIB  # a larger request body is a 413, refused before it is read in full
     max_prompt_bytes: Optional[int] = None  # prompt text (UTF-8) refused before tokenizing; None: context x 64
+    # Log-probability entries (n x tokens x (top logprobs + 1)) an answer that is not streamed may
+    # hold; a request that could need more is a 400 asking it to stream.
+    max_unstreamed_logprobs: int = 1_000_000
     body_timeout: float = 60.0  # seconds for the whole request body to arrive; then 408
     write_timeout: float = 60.0  # seconds a response's writes may stay blocked (a reader stopped reading); then cut
     sse_keepalive: float = 15.0  # seconds without an event before a stream sends `: keep-alive`
@@ -62,6 +65,7 @@ class ServerConfig:
         for flag, value, low in (("--max-queue", self.max_queue, 0), ("--max-tokens", self.max_tokens, 1),
                                  ("--max-body-bytes", self.max_body_bytes, 1),
                                  ("--max-prompt-bytes", 1 if self.max_prompt_bytes is None else self.max_prompt_bytes, 1),
+                                 ("--max-unstreamed-logprobs", self.max_unstreamed_logprobs, 1),
                                  ("--limit-concurrency", self.limit_concurrency or 0, 0),
                                  ("--max-header-bytes", self.max_header_bytes, 1024), ("--port", self.port, 0),
                                  ("server.retry_after", self.retry_after, 0), ("server.prefill_chunk", self.prefill_chunk, 1)):

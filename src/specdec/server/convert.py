@@ -191,11 +191,33 @@ def prompts_of(body: Union[ChatCompletionRequest, CompletionRequest]) -> list[Un
     return [body]
 
 
+def logprob_entries(request: GenerationRequest, n_ctx: int) -> int:
+    """The log-probability entries one choice of the request may carry: a token's own and its top
+    ones, for every token it may generate (and its echoed prompt's)."""
+    if request.logprobs is None:
+        return 0
+    tokens = n_ctx if request.max_tokens is None else request.max_tokens
+    if request.prompt_logprobs is not None:
+        tokens += len(request.prompt_token_ids)
+    return tokens * (request.logprobs + 1)
+
+
+def check_unstreamed_size(config: ServerConfig, entries: int, top_param: str) -> None:
+    """A whole answer is built and held at once: one that could hold more log-probability entries
+    than --max-unstreamed-logprobs is refused, before any is generated; a stream has no bound."""
+    limit = config.max_unstreamed_logprobs
+    if entries > limit:
+        raise bad_request(f"stream: this answer could hold {entries} log-probability entries (n x tokens x "
+                          f"({top_param} + 1)); an answer that is not streamed holds at most {limit}: send "
+                          f"stream: true, or lower n, max_tokens or {top_param}.", "stream", "response_too_large")
+
+
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
     """One generation request per choice: the request's seed + i for choice i (so a seeded request
-    is reproducible and its choices differ), or each its own random seed without one."""
+    is reproducible and its choices differ), or each its own random seed without one. The prompt
+    is scored (echo with logprobs) once, by choice 0: its logprobs serve every choice."""
     seed = request.sampling.seed
-    return [request if i == 0 else dataclasses.replace(request, sampling=dataclasses.replace(
+    return [request if i == 0 else dataclasses.replace(request, prompt_logprobs=None, sampling=dataclasses.replace(
         request.sampling, seed=None if seed is None else (seed + i) % 2**64)) for i in range(n)]
 
 

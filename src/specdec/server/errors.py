@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -79,9 +79,145 @@ def error_response(error: APIError, path: Optional[str] = None) -> Response:
 
 
 def json_response(content: Any, status: int = 200, headers: Optional[dict[str, str]] = None) -> Response:
-    # ensure_ascii: a lone surrogate echoed from the request can never break the encoding.
-    body = json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-    return Response(body, status_code=status, headers=headers, media_type="application/json")
+    return Response(json_bytes(content), status_code=status, headers=headers, media_type="application/json")
+
+
+# -- encoding, piece by piece ------------------------------------------------------------------
+# ensure_ascii: a lone surrogate echoed from the request can never break the encoding.
+_encode = json.JSONEncoder(ensure_ascii=True, separators=(",", ":")).encode
+# Values one json encoder call takes at most (about 20-60 KB of text). The C encoder holds the GIL
+# through a call: a worker thread encoding a big answer in one call would stall the event loop
+# (/health, every stream) for as long; in pieces, the loop gets its turn between them.
+PIECE_VALUES = 2048
+_MAX_DEPTH = 32  # deeper values are weighed as one (nothing this server answers nests as deep)
+_SAMPLES = 16  # a longer list's (or dict's) weight is estimated from this many of its items
+
+
+class RawJSON:
+    """JSON text that json_pieces puts in as it is: a big part of an answer encoded ahead, in
+    pieces (choices.logprobs_json), and held as one string rather than as many small objects,
+    which every full pass of the garbage collector walks, holding the GIL."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"RawJSON({self.text[:60]!r}...)" if len(self.text) > 60 else f"RawJSON({self.text!r})"
+
+
+def _sampled(items: Sequence, depth: int) -> list[int]:
+    """The weights of the items, or of _SAMPLES of them evenly spaced."""
+    step = max(1, len(items) // _SAMPLES)
+    return [_weight(items[i], depth) for i in range(0, step * _SAMPLES, step) if i < len(items)]
+
+
+def _weight(value: Any, depth: int = 0) -> int:
+    """About how many values `value` holds (a string counts one per 64 characters), in time that
+    does not grow with its size: a long list's items are sampled. Whatever holds a RawJSON
+    weighs more than a piece, so that it is taken apart down to it."""
+    if isinstance(value, str):
+        return 1 + (len(value) >> 6)
+    if isinstance(value, RawJSON):
+        return PIECE_VALUES + 1 + (len(value.text) >> 6)
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        if not value or depth >= _MAX_DEPTH:
+            return 1
+        sampled = _sampled(value, depth + 1)
+        return 1 + sum(sampled) * len(value) // len(sampled)
+    return 1
+
+
+def _encoded(value: Any) -> Optional[str]:
+    """One encoder call's text; None for a list or dict that holds a RawJSON (taken apart then)."""
+    try:
+        return _encode(value)
+    except TypeError:
+        if isinstance(value, (dict, list, tuple)):
+            return None  # a RawJSON the weights missed (a sampled list), or a bad value found below
+        raise
+
+
+def json_pieces(content: Any, depth: int = 0) -> Iterator[str]:
+    """The text of `json_text(content)` in pieces, each made by one short encoder call: a large
+    dict a value at a time, a large list a batch of items at a time (by their weights, or for a
+    long list by their sampled average); a RawJSON as it is. A JSON value's text does not depend
+    on what holds it, so the pieces join into exactly the text of one call."""
+    if isinstance(content, RawJSON):
+        yield content.text
+        return
+    if _weight(content, depth) <= PIECE_VALUES:
+        text = _encoded(content)
+        if text is not None:
+            yield text
+            return
+    if isinstance(content, dict):
+        if not all(isinstance(key, str) for key in content):
+            yield _encode(content)  # keys the encoder converts (numbers, None): its own way, whole
+            return
+        sep = "{"
+        for key, value in content.items():
+            yield sep + _encode(key) + ":"
+            yield from json_pieces(value, depth + 1)
+            sep = ","
+        yield "}" if content else "{}"
+    elif isinstance(content, (list, tuple)):
+        yield "["
+        sep = ""
+        for start, end in _batches(content, depth + 1):
+            text = _encoded(content[start:end]) if end - start > 1 else None
+            if text is not None:  # the batch's items comma-separated: its text without the brackets
+                yield sep + text[1:-1]
+                sep = ","
+                continue
+            for item in content[start:end]:
+                yield sep
+                yield from json_pieces(item, depth + 1)
+                sep = ","
+        yield "]"
+    else:
+        yield _encode(content)  # a long string: one call, about as fast as a copy
+
+
+def _batches(items: Sequence, depth: int) -> Iterator[tuple[int, int]]:
+    """[start, end) runs of the items of about PIECE_VALUES values each."""
+    if len(items) > _SAMPLES:
+        sampled = _sampled(items, depth)
+        per = max(1, PIECE_VALUES * len(sampled) // max(1, sum(sampled)))
+        for start in range(0, len(items), per):
+            yield start, min(start + per, len(items))
+        return
+    start, weight = 0, 0
+    for i, item in enumerate(items):
+        size = _weight(item, depth)
+        if i > start and weight + size > PIECE_VALUES:
+            yield start, i
+            start, weight = i, 0
+        weight += size
+    if start < len(items):
+        yield start, len(items)
+
+
+def json_text(content: Any) -> str:
+    """`content` as compact JSON, ASCII only: json.dumps(content, ensure_ascii=True,
+    separators=(",", ":")), made in pieces (json_pieces) when it is large; a RawJSON in it as it is."""
+    if _weight(content) <= PIECE_VALUES:
+        text = _encoded(content)
+        if text is not None:
+            return text
+    return "".join(json_pieces(content))
+
+
+def json_bytes(content: Any) -> bytes:
+    """json_text(content), encoded (ASCII); a large one joined from its pieces' bytes."""
+    if _weight(content) <= PIECE_VALUES:
+        text = _encoded(content)
+        if text is not None:
+            return text.encode("ascii")
+    return b"".join(piece.encode("ascii") for piece in json_pieces(content))
 
 
 # -- request validation ------------------------------------------------------------------------

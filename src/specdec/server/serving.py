@@ -1,7 +1,8 @@
 """The serving core that every API surface uses (chat and text completions, infill, Responses,
 Messages): admission, the tenant, the queue bound and its 429, tokenizing off the event loop
 within the time limit, cancellation when the client goes away, the answer streamed (keep-alive,
-one failure event) or whole (serialized off the loop), and the header naming ignored fields.
+one failure event) or whole (built and encoded off the loop, in pieces), and the header naming
+ignored fields.
 
 A surface only translates: its wire request into engine requests (`prepare`), and engine items
 into its wire format (a `StreamWriter` for streams, a function of the collected choices for a
@@ -190,7 +191,8 @@ async def respond(request: Request, merge: TicketMerge, *, stream: bool,
             response.headers.update(headers)
             return response
         results = await collect(merge, count, observe)
-        # A big answer (n choices with logprobs) is built and serialized off the event loop.
+        # A big answer (n choices with logprobs: tens of MB of JSON) is built and encoded on a worker
+        # thread, in short pieces (errors.json_bytes) that let the event loop run between them.
         return await anyio.to_thread.run_sync(lambda: json_response(whole(results), headers=headers or None))
     finally:
         if not streaming:
