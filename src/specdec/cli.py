@@ -50,12 +50,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise SpecdecError("--max-tokens must be >= 0.")
     config = config_from_args(args)
     spec, models = config.server.spec, config.models
-    method = drafting_methods.get(spec.method)
-    if method is None or not method.wants_draft:
+    if not drafting_methods.wants_draft(spec.method):
         models = models.without_draft()
     engine = runtime.load_engine(models, engine=config.engine)
     try:
-        if method is not None and method.calibrated:
+        if drafting_methods.calibrated(spec.method):
             from specdec.machine_profile import load_or_calibrate
 
             cost, measured = load_or_calibrate(engine)

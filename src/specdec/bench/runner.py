@@ -36,7 +36,7 @@ from specdec.bench.datasets import BenchPrompt
 from specdec.bench.records import RecordFile, bench_record
 from specdec.client.records import RequestRecord
 from specdec.engine.sequence import CachedSequence
-from specdec.drafters.registry import method_names
+from specdec.drafters.registry import calibrated, method_names
 from specdec.types import (DEFAULT_NUM_DRAFT_TOKENS, GenerationRequest, SamplingParams,
                            SpecConfig, SpecdecError)
 
@@ -214,7 +214,7 @@ class Runner:
         if not todo:
             return counts
         for source, engine in self.engines.items():
-            if engine.cost_model is None and any(c.method == "auto" and c.source == source for c in self.configs):
+            if engine.cost_model is None and any(calibrated(c.method) and c.source == source for c in self.configs):
                 engine.calibrate()  # before any timed generation: `auto` would otherwise calibrate inside one
         self.warm_up(prompts)
         from tqdm import tqdm

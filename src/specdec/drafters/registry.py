@@ -2,7 +2,7 @@
 
 A *method* is what a request or a command asks for (`speculative_decoding.method`, `--method`);
 the engine builds one drafter per slot from the method's factory. Adding a method is adding one
-entry here, or `register(Method(...))` from a plugin before the engine is built (docs/architecture.md,
+entry here, or `register(Method(...))` from a plugin before the engine is built (docs/usage.md,
 "Adding a drafter").
 
 A proposal's *source* is what a round's tokens are credited to (`RoundOutcome.source`, the
@@ -88,6 +88,12 @@ def wants_draft(name: str) -> bool:
     """Whether running method `name` should load the draft model (False for an unknown name)."""
     method = _METHODS.get(name)
     return method is not None and method.wants_draft
+
+
+def calibrated(name: str) -> bool:
+    """Whether method `name` prices with the machine's measured costs (`auto`): calibrate first."""
+    method = _METHODS.get(name)
+    return method is not None and method.calibrated
 
 
 # -- the built-in methods ------------------------------------------------------------------------

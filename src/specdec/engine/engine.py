@@ -280,8 +280,7 @@ class Engine:
     # -- generation --------------------------------------------------------------------------
     def new_generation(self, request: GenerationRequest, slot: int = 0) -> Generation:
         request.validate()
-        method = drafting_methods.get(request.spec.method)
-        if method is not None and method.calibrated and self.cost_model is None:
+        if drafting_methods.calibrated(request.spec.method) and self.cost_model is None:
             self.calibrate(slot)  # the slot about to serve this request is free
         chosen = self.slots[slot]
         drafter = chosen.drafters.get(request.spec.method)
