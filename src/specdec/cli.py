@@ -10,6 +10,7 @@ import json
 import sys
 from functools import partial
 
+from specdec.drafters import registry as drafting_methods
 from specdec.types import SpecdecError
 
 # Subcommands in other modules: each exposes add_arguments(parser) and run(args) -> int.
@@ -49,16 +50,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise SpecdecError("--max-tokens must be >= 0.")
     config = config_from_args(args)
     spec, models = config.server.spec, config.models
-    if spec.method not in ("draft", "auto"):
+    if not drafting_methods.wants_draft(spec.method):
         models = models.without_draft()
     engine = runtime.load_engine(models, engine=config.engine)
     try:
-        if spec.method == "auto":
+        if drafting_methods.calibrated(spec.method):
             from specdec.machine_profile import load_or_calibrate
 
             cost, measured = load_or_calibrate(engine)
             if measured:
-                print(f"specdec: calibrated this machine for auto ({cost.summary()}); saved for the next command",
+                print(f"specdec: calibrated this machine for {spec.method} ({cost.summary()}); saved for the next command",
                       file=sys.stderr)
         prompt_ids = engine.encode_prompt(args.prompt, chat=args.chat)
         request = GenerationRequest(

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from specdec.backends.registry import BackendConfig, ModelConfig
 from specdec.deploy.scale import ScaleConfig
+from specdec.drafters import registry as drafting_methods
 from specdec.drafters.policy.config import PolicyConfig
 from specdec.engine.engine import EngineConfig
 from specdec.models.reduced_vocabulary import ROW_MULTIPLE
@@ -64,8 +65,9 @@ class SpecdecConfig:
         if self.slots < 1:
             raise SpecdecError("--parallel must be >= 1.")
         self.server.validate()
-        if self.server.spec.method == "draft" and not self.models.load_draft:
-            raise SpecdecError("--method draft needs a draft model; drop --no-draft.")
+        method = drafting_methods.get(self.server.spec.method)
+        if method is not None and method.needs_draft and not self.models.load_draft:
+            raise SpecdecError(f"--method {method.name} needs a draft model; drop --no-draft.")
         _validate_models(self.models)
         _validate_engine(self.engine)
         self.scale.validate()

@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional
 
 from specdec.backends.registry import REGISTRY, ModelConfig
 from specdec.config import SETTINGS, SpecdecConfig, load_config
-from specdec.types import METHODS, SpecConfig
+from specdec.drafters.registry import method_names
+from specdec.types import SpecConfig
 
 DTYPES = sorted({dtype for entry in REGISTRY.values() for dtype in entry.dtypes})
 GIVEN = "config_settings"  # the namespace attribute holding the keys the command line set
@@ -117,7 +118,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_method_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", choices=METHODS, default=SPEC.method, action=Setting, key="server.spec.method",
+    parser.add_argument("--method", choices=method_names(), default=SPEC.method, action=Setting, key="server.spec.method",
                         help=f"drafter: off (plain decoding), ngram (prompt lookup), draft (small model) or auto (picks per "
                              f"round what this machine's measured costs favour); default {SPEC.method}")
     parser.add_argument("--num-draft-tokens", type=int, default=SPEC.num_draft_tokens, action=Setting,

@@ -9,7 +9,8 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-METHODS = ("off", "ngram", "draft", "auto")
+from specdec.drafters.registry import method_names  # the drafting methods by name (drafters/registry.py)
+
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 # auto: never measurably slower than plain decoding, faster where drafting pays (docs/notebook.md, "Adaptive speculation")
 DEFAULT_METHOD = "auto"
@@ -105,8 +106,8 @@ class SpecConfig:
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
 
     def validate(self) -> None:
-        if self.method not in METHODS:
-            raise SpecdecError(f"unknown speculative method {self.method!r}; choose one of {', '.join(METHODS)}.")
+        if self.method not in method_names():
+            raise SpecdecError(f"unknown speculative method {self.method!r}; choose one of {', '.join(method_names())}.")
         if not 0 <= self.num_draft_tokens <= 32:
             raise SpecdecError("num_draft_tokens must be between 0 and 32.")
 

@@ -28,6 +28,7 @@ from specdec.bench.records import RECORDS_FILE, RecordFile
 from specdec.bench.report import build_report
 from specdec.bench.runner import (SOURCE, BenchSettings, Runner, compared_source, on_backend, parse_bench_configs,
                                   pending)
+from specdec.drafters.registry import wants_draft
 from specdec.types import DEFAULT_NUM_DRAFT_TOKENS, SpecdecError
 
 META_FILE = "meta.json"
@@ -168,7 +169,7 @@ def run_bench(args: argparse.Namespace, engine_factory: Optional[Callable] = Non
             raise SpecdecError(f"--compare-backend {backend} is already the backend measured.")
     theirs = parse_bench_configs(_split([args.compare_methods]), ks) if args.compare_methods is not None else own
     configs = own + [config for backend in compare for config in on_backend(theirs, backend)]
-    need_draft = any(c.method in ("draft", "auto") for c in configs)
+    need_draft = any(wants_draft(c.method) for c in configs)
     if need_draft and args.no_draft:
         raise SpecdecError("--no-draft contradicts the draft method in --methods.")
     if not need_draft:

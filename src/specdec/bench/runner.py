@@ -36,7 +36,8 @@ from specdec.bench.datasets import BenchPrompt
 from specdec.bench.records import RecordFile, bench_record
 from specdec.client.records import RequestRecord
 from specdec.engine.sequence import CachedSequence
-from specdec.types import (DEFAULT_NUM_DRAFT_TOKENS, METHODS, GenerationRequest, SamplingParams,
+from specdec.drafters.registry import calibrated, method_names
+from specdec.types import (DEFAULT_NUM_DRAFT_TOKENS, GenerationRequest, SamplingParams,
                            SpecConfig, SpecdecError)
 
 log = logging.getLogger(__name__)
@@ -105,8 +106,8 @@ def parse_bench_configs(
         if not entry:
             continue
         name, _, k_part = entry.partition(":")
-        if name not in METHODS:
-            raise SpecdecError(f"unknown method {name!r} in --methods; choose from {', '.join(METHODS)}.")
+        if name not in method_names():
+            raise SpecdecError(f"unknown method {name!r} in --methods; choose from {', '.join(method_names())}.")
         if name == BASELINE:
             continue
         if k_part:
@@ -213,7 +214,7 @@ class Runner:
         if not todo:
             return counts
         for source, engine in self.engines.items():
-            if engine.cost_model is None and any(c.method == "auto" and c.source == source for c in self.configs):
+            if engine.cost_model is None and any(calibrated(c.method) and c.source == source for c in self.configs):
                 engine.calibrate()  # before any timed generation: `auto` would otherwise calibrate inside one
         self.warm_up(prompts)
         from tqdm import tqdm

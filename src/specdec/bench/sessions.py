@@ -47,6 +47,7 @@ import httpx
 from specdec.bench.serving import ServedConfig, _stream, served_model
 from specdec.client.records import Layout, RequestRecord
 from specdec.client.render import NEAREST_RANK, Cells, fields, markdown_table, spread
+from specdec.drafters.registry import wants_draft
 from specdec.types import SpecdecError
 
 KINDS = ("coding-agent", "support-chat", "document-assistant")
@@ -404,7 +405,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
     plan = parse_flags(args)
     llama_server = parse_peers(args.peer).get(LLAMA_SERVER)
-    need_draft = "draft" in plan.methods or "auto" in plan.methods or \
+    need_draft = any(wants_draft(method) for method in plan.methods) or \
         (llama_server is not None and any(spec.startswith("draft:") for spec in plan.peer_specs))
     target, draft = _model_paths(args, need_draft=need_draft)
     out = Path(args.out)

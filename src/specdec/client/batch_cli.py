@@ -23,9 +23,16 @@ from specdec.client.batch import BatchItem, BatchSettings, ProgressHook, read_in
 from specdec.client.cost import load_price_table
 from specdec.client.http import DEFAULT_BASE_URL, APIError, AsyncClient, RetryPolicy, Timeouts
 from specdec.client.report import build_report, json_path_for, summarize_file, summary_text, write_report
+from specdec.drafters.registry import method_names
 from specdec.types import SpecdecError
 
-SPECULATIVE_CHOICES = ("on", "off", "auto", "ngram", "draft")
+
+
+def speculative_choices() -> tuple[str, ...]:
+    """`on` (the server's method), or a drafting method by name."""
+    return ("on", *method_names())
+
+
 API_KEY_ENV = ("SPECDEC_API_KEY", "OPENAI_API_KEY")
 
 
@@ -42,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="max_tokens for lines that set none (default: the server's)")
     parser.add_argument("--temperature", type=float, default=None, metavar="T",
                         help="temperature for lines that set none (default: the server's)")
-    parser.add_argument("--speculative", choices=SPECULATIVE_CHOICES, default=None,
+    parser.add_argument("--speculative", choices=speculative_choices(), default=None,
                         help="speculative_decoding for every request: on, off or a method (default: the server's)")
     parser.add_argument("--report", default=None, metavar="report.md",
                         help="write report.md and report.json beside it")

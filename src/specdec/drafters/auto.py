@@ -27,10 +27,11 @@ from specdec.drafters.policy import planner
 from specdec.drafters.policy.config import MAX_MATCH, PolicyConfig
 from specdec.drafters.policy.estimates import (AcceptanceEstimate, ConfidenceCalibration, DraftTimeScale, Estimate,
                                                EvidenceEstimate, Shadow, score_shadows)
-from specdec.drafters.policy.planner import DRAFT_FREE, MODEL_SOURCES, DraftLength, Offer, Option
+from specdec.drafters.policy.planner import DraftLength, Offer, Option
 from specdec.drafters.policy.pricing import RoundCosts, expected_tokens
 from specdec.drafters.policy.priors import (AGREEMENTS, CACHE_PRIORS, MATCH_BUCKETS, NGRAM_PRIORS, by_evidence,
                                             evidence_key, match_bucket)
+from specdec.drafters.registry import DRAFT_FREE, MODEL_SOURCES  # the proposal sources auto offers
 from specdec.drafters.suffix import SuffixIndex
 from specdec.engine.cost_model import CostModel
 from specdec.types import Proposal, SamplingParams

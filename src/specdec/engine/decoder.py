@@ -15,6 +15,7 @@ import numpy as np
 
 from specdec.drafters.base import Drafter
 from specdec.drafters.history import TenantHistory
+from specdec.drafters.registry import OFF
 from specdec.engine.sequence import CachedSequence
 from specdec.engine.stats import GenerationStats
 from specdec.engine.stopping import TextAssembler
@@ -70,7 +71,7 @@ class Generation:
         self.token_ids: list[int] = []
         self.assembler = TextAssembler(request.stop)
         self.finish_reason: Optional[str] = None
-        k = request.spec.num_draft_tokens if request.spec.method != "off" else 0
+        k = request.spec.num_draft_tokens if request.spec.method != OFF.name else 0
         self.stats = GenerationStats(method=request.spec.method, num_draft_tokens=k)
         self._k = k
         self._proposal = Proposal(())  # the round planned and not yet committed
@@ -181,7 +182,7 @@ class Generation:
         tokens = proposal.draft_tokens[:drafted]
         probs = None if proposal.draft_probs is None else proposal.draft_probs[:drafted]
         self._drafted = drafted
-        forced = [] if self.request.spec.method == "off" else constraint.forced_after(tokens, room - drafted)
+        forced = [] if self.request.spec.method == OFF.name else constraint.forced_after(tokens, room - drafted)
         if forced and probs is not None:  # a forced token's q is one-hot, as any deterministic proposal's
             probs = np.concatenate([probs, np.stack([one_hot(t, probs.shape[-1]) for t in forced])])
         source = proposal.source if drafted else (GRAMMAR_SOURCE if forced else proposal.source)

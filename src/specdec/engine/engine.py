@@ -8,12 +8,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from specdec.backends.base import Backend, check_draft_compatible
-from specdec.drafters.auto import AutoDrafter
-from specdec.drafters.base import Drafter, NoDrafter
+from specdec.drafters import registry as drafting_methods
+from specdec.drafters.base import Drafter
 from specdec.drafters.history import CrossRequestCache
-from specdec.drafters.model import ModelDrafter
 from specdec.drafters.policy.config import PolicyConfig
-from specdec.drafters.ngram import NgramDrafter
+from specdec.drafters.registry import SlotParts
 from specdec.engine.cost_model import CostModel, calibrate
 from specdec.engine.core import EngineCore
 from specdec.engine.decoder import Generation
@@ -212,20 +211,25 @@ class Engine:
         self.core = EngineCore(self)  # the one driver of its slots, for every caller
 
     def _make_slot(self, seq_id: int) -> Slot:
-        drafters: dict[str, Drafter] = {
-            "off": NoDrafter(),
-            "ngram": NgramDrafter(self.config.ngram_max, self.config.ngram_min),
-        }
-        draft_sequence = None
-        if self.draft is not None:
-            draft_sequence = CachedSequence(self.draft, seq_id)
-            drafters["draft"] = ModelDrafter(draft_sequence)
+        draft_sequence = CachedSequence(self.draft, seq_id) if self.draft is not None else None
         # The target's prefix reuse must be exact; the draft's only has to be fast.
-        return Slot(CachedSequence(self.target, seq_id, aligned_reuse=True), draft_sequence, drafters)
+        slot = Slot(CachedSequence(self.target, seq_id, aligned_reuse=True), draft_sequence, {})
+        self._build_drafters(slot)
+        return slot
+
+    def _build_drafters(self, slot: Slot, cost: Optional[CostModel] = None) -> None:
+        """The slot's drafters from the registry's factories: without `cost`, every method that
+        needs no measured costs; with it, the `calibrated` ones (`auto`)."""
+        for method in drafting_methods.methods():
+            if method.calibrated != (cost is not None) or (method.needs_draft and slot.draft is None):
+                continue
+            parts = SlotParts(self.config, slot.target, slot.draft, slot.drafters, cost, self.clock)
+            slot.drafters[method.name] = method.build(parts)
 
     @property
     def methods(self) -> list[str]:
-        return [*self.slots[0].drafters, *(() if "auto" in self.slots[0].drafters else ("auto",))]
+        """The methods this engine serves (`auto` before its first calibration too)."""
+        return [method.name for method in drafting_methods.methods() if not (method.needs_draft and self.draft is None)]
 
     @property
     def target_sequence(self) -> CachedSequence:
@@ -249,9 +253,7 @@ class Engine:
         calibration of the same setup (it keeps updating online either way)."""
         self.cost_model = cost
         for each in self.slots:
-            model = each.drafters.get("draft")
-            each.drafters["auto"] = AutoDrafter(cost, model if isinstance(model, ModelDrafter) else None,
-                                                 clock=self.clock, config=self.config.policy)
+            self._build_drafters(each, cost)
         return cost
 
     # -- prompts -----------------------------------------------------------------------------
@@ -278,7 +280,7 @@ class Engine:
     # -- generation --------------------------------------------------------------------------
     def new_generation(self, request: GenerationRequest, slot: int = 0) -> Generation:
         request.validate()
-        if request.spec.method == "auto" and self.cost_model is None:
+        if drafting_methods.calibrated(request.spec.method) and self.cost_model is None:
             self.calibrate(slot)  # the slot about to serve this request is free
         chosen = self.slots[slot]
         drafter = chosen.drafters.get(request.spec.method)

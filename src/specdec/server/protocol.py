@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Optional, U
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic.config import JsonDict, JsonValue
 
+from specdec.drafters.registry import method_names
 from specdec.server.errors import register_field_names
 from specdec.server.tools import (
     MAX_SCHEMA_DEPTH, CalledFunction, FunctionChoice, FunctionDefinition, MessageToolCall, NamedToolChoice, ToolCall,
@@ -201,10 +202,34 @@ else:
     SpeculativeTokens = Optional[integer(ge=0, le=32)]
 
 
+def _registered_method(value: str) -> str:
+    """A drafting method's name, checked against the registry when the request arrives (so a
+    method registered after this module loaded counts)."""
+    names = method_names()
+    if value not in names:
+        quoted = [repr(name) for name in names]
+        raise ValueError(f"Input should be {', '.join(quoted[:-1])} or {quoted[-1]}")  # pydantic's Literal wording
+    return value
+
+
+class _RegisteredMethods:
+    """The schema's `enum`: the methods registered when the schema is built (FastAPI builds it once)."""
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler) -> JsonDict:
+        return {**handler(core_schema), "enum": list(method_names())}
+
+
+if TYPE_CHECKING:
+    MethodName = str
+else:
+    MethodName = Annotated[str, AfterValidator(_registered_method), _RegisteredMethods]
+
+
 class SpeculativeDecoding(_Strict):
     """Per-request speculation: `auto` is the engine's adaptive choice; no method means the server's."""
 
-    method: Optional[Literal["draft", "ngram", "off", "auto"]] = None
+    method: Optional[MethodName] = None
     num_speculative_tokens: SpeculativeTokens = None
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Optional, Protocol, Sequence
 
+from specdec.drafters.registry import HISTORY_SOURCES  # noqa: F401  (completions.py imports it from here)
 from specdec.server.protocol import SpeculativeChunk, SpeculativeRound, StreamOptions
 from specdec.types import RoundOutcome, StreamEvent
 
-HISTORY_SOURCES = frozenset({"cache", "hybrid"})  # proposals that may copy a cross-request history
 NO_PROPOSAL = "none"  # a round's method when the target decoded one token alone (stats.py's choice name)
 
 

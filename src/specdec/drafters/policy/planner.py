@@ -25,8 +25,6 @@ from specdec.drafters.policy.pricing import RoundCosts, best_uniform_proposal, c
 from specdec.drafters.suffix import Continuation
 
 Offer = Continuation  # what a draft-free source offers this round, with each token's evidence
-DRAFT_FREE = ("ngram", "cache")
-MODEL_SOURCES = ("draft", "hybrid")
 
 
 @dataclass(frozen=True)
