@@ -27,6 +27,8 @@ MARKER = "specdec_fa_head_sizes"
 KERNEL = re.compile(r"iqk_fa_(\d+_\d+)[A-Za-z]")  # the C++-mangled kernels: _Z14iqk_fa_128_128ii...
 HEAD_SIZES = (64, 96, 128, 256)  # kept and dropped
 F32, F16 = 0, 1  # ggml_type
+# ik's kernels agree with numpy to ~1e-6 here; ggml's own accumulates V*softmax in F16 (~3e-3)
+TOLERANCE = 1e-2
 
 
 class InitParams(ctypes.Structure):
@@ -99,7 +101,7 @@ def check(libllama: Path) -> dict:
     undefined = kernels(dynamic_symbols(libggml, "--undefined-only"))
     errors = {d: flash_attention_error(ggml, d) for d in HEAD_SIZES}
     ok = (marked is not None and kernels(f"iqk_fa_{size}i" for size in marked) == defined and not undefined
-          and max(errors.values()) < 1e-3)
+          and max(errors.values()) < TOLERANCE)
     return {"library": str(libllama), "loads": True, "kept": marked, "kernels": defined, "undefined": undefined,
             "flash_attention_max_error": errors, "libggml_bytes": libggml.stat().st_size, "ok": ok}
 
