@@ -22,7 +22,7 @@ LLAMA_CPP_PYTHON_VERSION=0.3.36
 IK_LLAMA_CPP_PYTHON_VERSION=0.1.5  # as pinned in pyproject.toml
 TORCH_VERSION=2.13.0  # as pinned in pyproject.toml's torch extra
 PATCH_LEVEL=1  # bump when scripts/patch_llama_cpp.sh changes
-IK_PATCH_LEVEL=5  # bump when scripts/patch_ik_llama_cpp.sh changes
+IK_PATCH_LEVEL=6  # bump when scripts/patch_ik_llama_cpp.sh changes
 SPECDEC_HOME=${SPECDEC_HOME:-$HOME/.cache/specdec}
 
 if [ ! -x .venv/bin/python ]; then
@@ -58,8 +58,10 @@ PY
 # AVX-512 with VNNI, VL, BW and DQ (ik compiles its AVX-512 matrix kernels only with all five);
 # the flags are named, never -march=native, and the build says which it needs (lib/cpu-flags),
 # so a cached build never runs on a CPU without them. No flash-attention kernels for quantized
-# KV caches (specdec runs ik without flash attention).
-# The main job never waits for the compiler (minutes; most of 16 on a 2-core Zen 3): it installs
+# KV caches, nor for head sizes the default pair lacks (the patch's part 5; specdec runs ik
+# without flash attention).
+# The main job never waits for the compiler (36 compile steps, 321 s of CPU on a 2-core Zen 4:
+# 7.5 minutes at low priority on a loaded machine; with every head size, 16 on a Zen 3): it installs
 # PyPI's prebuilt wheel at once and builds in the background; the server switches to the build
 # when it is done (server/upgrade.py) and later starts use it. The tests build in the foreground.
 ik_cpu_flags="avx2 fma f16c"

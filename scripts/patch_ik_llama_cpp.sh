@@ -28,6 +28,16 @@
 #    spans (from the first block of its sequences to their last cell), so idle sequences' cells
 #    outside cost it nothing
 #    (docs/exactness.md, "Streams sharing a forward").
+# 5. Flash-attention kernels for the served head sizes only. ik compiles a translation unit of iqk
+#    flash-attention kernels per head-size pair (576_512, 512_512, 320_256, 192_128, 192_192,
+#    256_256, 128_128, 96_96, 64_64), the largest objects of the build: specdec runs ik with flash
+#    attention off, and the default pair's heads (Qwen2.5-Coder 1.5B: 128, 0.5B: 64) would need
+#    only 64_64 and 128_128 if it were on. The others are not compiled (their sources removed from
+#    ggml's CMakeLists and the tree), the dispatch no longer names them, and iqk_flash_attn_noalibi
+#    declines other head sizes at once, so ggml's own flash attention computes them (slower, never
+#    missing). Build on a 2-core Zen 4: 43 steps -> 36, 629 -> 321 s of CPU, libggml.so 15.4 ->
+#    7.2 MB, the wheel 10.7 -> 7.0 MB. The library exports `specdec_fa_head_sizes` (the kept
+#    pairs); scripts/check_ik_flash_attention.py checks a build.
 set -euo pipefail
 sdist=${1:?usage: patch_ik_llama_cpp.sh IK_LLAMA_CPP_PYTHON_SDIST_DIR}
 python3 - "$sdist" <<'PY'
@@ -259,4 +269,41 @@ extern "C" __attribute__((visibility("default"))) void specdec_kv_set_cells(stru
     ctx->kv_self.specdec_next_n_kv = (uint32_t) n_kv;
 }
 """ + CELLS_MARKER)
+
+# -- 5. flash-attention kernels for the served head sizes only ----------------------------------
+KEEP_FA_HEAD_SIZES = ("64_64", "128_128")  # Dk_Dv: the default pair's 0.5B draft and 1.5B target
+FA_MARKER = ('extern "C" __attribute__((visibility("default"), used)) '
+             f'const char specdec_fa_head_sizes[] = "{" ".join(KEEP_FA_HEAD_SIZES)}";\n')
+ggml_src = sdist / "vendor/ik_llama.cpp/ggml/src"
+ggml_cmake, dispatch = ggml_src / "CMakeLists.txt", ggml_src / "iqk/iqk_mul_mat.cpp"
+flash_attn, templates = ggml_src / "iqk/iqk_flash_attn.cpp", ggml_src / "iqk/fa/iqk_fa_templates.h"
+FA_SOURCE = re.compile(r"[ \t]*iqk/fa/iqk_fa_(\d+_\d+)\.cpp\n")
+FA_CALL = re.compile(r"^[ \t]*if \(Dk == (\d+) && Dv == (\d+)\) \{\n[ \t]*return iqk_fa_\1_\2\(.*?\n[ \t]*\}\n\n?", re.S | re.M)
+
+text = ggml_cmake.read_text()
+for size in KEEP_FA_HEAD_SIZES:
+    if text.count(f"iqk/fa/iqk_fa_{size}.cpp") != 1:
+        sys.exit(f"patch_ik_llama_cpp.sh: iqk/fa/iqk_fa_{size}.cpp not listed once in {ggml_cmake}")
+ggml_cmake.write_text(FA_SOURCE.sub(lambda m: m[0] if m[1] in KEEP_FA_HEAD_SIZES else "", text))
+for source in (ggml_src / "iqk/fa").glob("iqk_fa_*_*.cpp"):
+    if source.stem.removeprefix("iqk_fa_") not in KEEP_FA_HEAD_SIZES:
+        source.unlink()
+text = dispatch.read_text()
+text = FA_CALL.sub(lambda m: m[0] if f"{m[1]}_{m[2]}" in KEEP_FA_HEAD_SIZES else "", text)
+calls = set(re.findall(r"return iqk_fa_(\d+_\d+)\(", text))
+if calls != set(KEEP_FA_HEAD_SIZES):
+    sys.exit(f"patch_ik_llama_cpp.sh: {dispatch} calls the kernels {sorted(calls)}, expected {KEEP_FA_HEAD_SIZES}")
+dispatch.write_text(text)
+text = templates.read_text()
+templates.write_text(re.sub(r"IQK_FA_CASE\(iqk_fa_(\d+_\d+)\);\n",
+                            lambda m: m[0] if m[1] in KEEP_FA_HEAD_SIZES else "", text))
+if FA_MARKER not in flash_attn.read_text():
+    kept = " || ".join("(Dk == {} && Dv == {})".format(*size.split("_")) for size in KEEP_FA_HEAD_SIZES)
+    replace_once(flash_attn, "    if (type_q != 0 || type_mask != 1 || max_bias > 0) return false;\n",
+                 "    if (type_q != 0 || type_mask != 1 || max_bias > 0) return false;\n"
+                 "    // specdec: iqk kernels for these head sizes only; ggml's own flash attention for the others\n"
+                 f"    if (!({kept})) return false;\n")
+    flash_attn.write_text(flash_attn.read_text()
+                          + "\n// specdec: flash-attention kernels for these head sizes only (scripts/patch_ik_llama_cpp.sh, part 5)\n"
+                          + FA_MARKER)
 PY

