@@ -60,8 +60,7 @@ PY
 # so a cached build never runs on a CPU without them. No flash-attention kernels for quantized
 # KV caches, nor for head sizes the default pair lacks (the patch's part 5; specdec runs ik
 # without flash attention).
-# The main job never waits for the compiler (36 compile steps, 321 s of CPU on a 2-core Zen 4:
-# 7.5 minutes at low priority on a loaded machine; with every head size, 16 on a Zen 3): it installs
+# The main job never waits for the compiler (minutes: docs/usage.md, "The build"): it installs
 # PyPI's prebuilt wheel at once and builds in the background; the server switches to the build
 # when it is done (server/upgrade.py) and later starts use it. The tests build in the foreground.
 ik_cpu_flags="avx2 fma f16c"

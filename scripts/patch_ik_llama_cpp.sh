@@ -35,9 +35,8 @@
 #    only 64_64 and 128_128 if it were on. The others are not compiled (their sources removed from
 #    ggml's CMakeLists and the tree), the dispatch no longer names them, and iqk_flash_attn_noalibi
 #    declines other head sizes at once, so ggml's own flash attention computes them (slower, never
-#    missing). Build on a 2-core Zen 4: 43 steps -> 36, 629 -> 321 s of CPU, libggml.so 15.4 ->
-#    7.2 MB, the wheel 10.7 -> 7.0 MB. The library exports `specdec_fa_head_sizes` (the kept
-#    pairs); scripts/check_ik_flash_attention.py checks a build.
+#    missing; the build takes half the CPU time: docs/usage.md, "The build"). The library exports
+#    `specdec_fa_head_sizes` (the kept pairs); scripts/check_ik_flash_attention.py checks a build.
 set -euo pipefail
 sdist=${1:?usage: patch_ik_llama_cpp.sh IK_LLAMA_CPP_PYTHON_SDIST_DIR}
 python3 - "$sdist" <<'PY'
