@@ -1,5 +1,6 @@
 """Big answers (n choices with top logprobs, echo): built and encoded off the event loop in short
 pieces, bounded unless streamed (--max-unstreamed-logprobs), the echoed prompt scored once."""
+import gc
 import json
 import random
 import subprocess
@@ -257,7 +258,7 @@ with httpx.Client(base_url=sys.argv[1], timeout=60) as client, open(sys.argv[2],
 """
 
 
-def test_health_answers_promptly_while_a_big_answer_is_built_and_encoded(monkeypatch, tmp_path):
+def test_health_answers_promptly_while_a_big_answer_is_built_and_encoded(monkeypatch, tmp_path, request):
     """The answer (several MB of logprobs JSON) is built and encoded while /health is asked
     again and again: no /health waits for more than a fraction of that work (on the event loop,
     each /health asked meanwhile would wait for all of it)."""
@@ -271,6 +272,11 @@ def test_health_answers_promptly_while_a_big_answer_is_built_and_encoded(monkeyp
     monkeypatch.setattr(completions, "_response", timed)
     log = tmp_path / "polls"
     log.touch()
+    # The objects earlier tests left in this process out of the collector's full passes: walking
+    # them held the GIL for 0.45 s once in the whole suite, a pause of the test's, not the server's.
+    gc.collect()
+    gc.freeze()
+    request.addfinalizer(gc.unfreeze)
     with serve() as (url, _), httpx.Client(base_url=url, timeout=60) as client:
         poller = subprocess.Popen([sys.executable, "-c", POLLER, url, str(log)])
         try:
@@ -291,5 +297,6 @@ def test_health_answers_promptly_while_a_big_answer_is_built_and_encoded(monkeyp
     work = received - start  # building, encoding and sending the answer
     during = [answered - asked for asked, answered in polls if answered > start and asked < received]
     assert during, (work, polls[-5:])
-    # Generous: scheduling on a loaded machine may delay a /health by tens of milliseconds.
-    assert max(during) < max(0.15, work / 4), (max(during), work, len(during))
+    # Generous: scheduling on a loaded machine may delay a /health by tens of milliseconds; on the
+    # loop, a /health asked as the work began would wait for all of it.
+    assert max(during) < max(0.15, work / 2), (max(during), work, len(during))
