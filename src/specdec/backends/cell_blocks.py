@@ -61,12 +61,7 @@ class CellBlocks:
 
     def room(self, seq: int, end: int) -> bool:
         """Whether `seq` can take blocks for its positions < end: enough free ones above its last."""
-        blocks = self._blocks.get(seq, [])
-        lacking = -(-end // self.block) - len(blocks)
-        if lacking <= 0:
-            return True
-        last = blocks[-1] if blocks else -1
-        return len(self._free) - bisect.bisect_right(self._free, last) >= lacking
+        return self.room_to_hold(seq, seq, len(self._blocks.get(seq, [])) * self.block, end)
 
     def room_to_hold(self, seq: int, source: int, length: int, end: int) -> bool:
         """Whether `seq`, holding `source`'s positions < length in place of what it holds now (its
