@@ -27,7 +27,6 @@ from specdec.drafters.registry import method_names
 from specdec.types import SpecdecError
 
 
-
 def speculative_choices() -> tuple[str, ...]:
     """`on` (the server's method), or a drafting method by name."""
     return ("on", *method_names())

@@ -13,6 +13,7 @@ from typing import Callable, Literal, Optional, Sequence, Union, cast
 from fastapi import Request
 from starlette.responses import Response
 
+from specdec.drafters.registry import HISTORY_SOURCES
 from specdec.engine.engine import Engine
 from specdec.server.choices import (
     ChatLogprobBuilder, Columns, LogprobQueue, TextLogprobBuilder, logprob_columns, logprobs_json, usage_of_prompts,
@@ -29,7 +30,7 @@ from specdec.server.protocol import (
 from specdec.server.serving import (
     Collected, EndReason, finish_reason_of, ignored_fields, respond, state_of, submit, tenant_of,
 )
-from specdec.server.speculative import HISTORY_SOURCES, SourceAnnotator, wants_rejected
+from specdec.server.speculative import SourceAnnotator, wants_rejected
 from specdec.server.sse import DONE, KEEPALIVE, sse_data, sse_error
 from specdec.server.errors import APIError, RawJSON
 from specdec.server.tickets import Started

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Optional, Protocol, Sequence
 
-from specdec.drafters.registry import HISTORY_SOURCES  # noqa: F401  (completions.py imports it from here)
 from specdec.server.protocol import SpeculativeChunk, SpeculativeRound, StreamOptions
 from specdec.types import RoundOutcome, StreamEvent
 
