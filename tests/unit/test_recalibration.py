@@ -82,19 +82,29 @@ class SlowFake(FakeBackend):
         return super().eval(seq_id, start, tokens, prefill=prefill)
 
 
-def test_a_new_build_prices_with_the_last_costs_until_its_own_are_measured(caplog):
+def test_a_new_build_is_priced_with_its_own_measurement_and_another_builds_t1_is_no_reference(caplog):
     old, new, clock = Engine(FakeBackend(seed=7)), Engine(FakeBackend(seed=7)), Clock()
     keeper = CostKeeper(clock)
     assert keeper.offer(old, GOOD, "start-up")
-    keeper.measure_new_build(new, old)
-    assert new.cost_model.to_json() == GOOD.to_json() and new.cost_model is not GOOD
-    assert keeper.due()  # at the worker's next idle moment
-    # Another build's t(1) is no reference: a 3x faster one is adopted, and is the reference after.
-    faster = model(0.080 / 3, 1.3, 1.6, 1.9, 2.2)
-    assert keeper.offer(new, faster, "measured again") and new.cost_model is faster and not keeper.due()
+    faster = model(0.080 / 3, 1.3, 1.6, 1.9, 2.2)  # 3x faster than the old build: adopted all the same
+    keeper.adopt_new_build(new, old, faster)
+    assert new.cost_model is faster and keeper.last_good is faster and not keeper.due()
     with caplog.at_level(logging.INFO, logger="specdec.server"):
-        assert not keeper.offer(new, GOOD, "measured again")
+        assert not keeper.offer(new, GOOD, "measured again")  # and it is the reference from then on
     assert "is 3.0x the last good model's" in caplog.text and new.cost_model.to_json() == faster.to_json()
+
+
+def test_a_new_build_whose_measurement_is_wrong_or_failed_prices_with_the_last_costs_until_measured_again():
+    old, clock = Engine(FakeBackend(seed=7)), Clock()
+    for measured in (model(0.2527, 0.89, 0.99, 0.99, 1.00), None):
+        new, keeper = Engine(FakeBackend(seed=7)), CostKeeper(clock)
+        assert keeper.offer(old, GOOD, "start-up")
+        keeper.adopt_new_build(new, old, measured)
+        assert new.cost_model.to_json() == GOOD.to_json() and new.cost_model is not GOOD  # a copy: it updates online
+        clock.now += RETRY_SECONDS[0]
+        assert keeper.due()  # at the worker's next idle moment
+        faster = model(0.080 / 3, 1.3, 1.6, 1.9, 2.2)
+        assert keeper.offer(new, faster, "measured again") and new.cost_model is faster  # no t(1) reference
 
 
 def test_an_idle_server_measures_again_and_a_request_interrupts_it():

@@ -1,6 +1,9 @@
 """A running server moves onto a better build (server/upgrade.py): loaded beside the serving
-engine, swapped in when nothing runs, its costs measured by the worker afterwards at an idle moment; requests before, during and after the switch are
-all answered, each exactly, and the old engine is closed only once no request can still use it."""
+engine, its costs measured by the worker between rounds, then new requests go to it while those
+running finish on the old engine, even on a server that is never idle; requests before, during and
+after the switch are all answered, each exactly, and the old engine is closed only once no request
+can still use it."""
+import json
 import threading
 import time
 from pathlib import Path
@@ -20,15 +23,17 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class ClosingFake(FakeBackend):
-    def __init__(self, delay=0.002, **kw):
+    def __init__(self, delay=0.002, forwards=None, **kw):
         super().__init__(**kw)
         self.delay = delay
         self.closed = False
         self.threads = set()
+        self.forwards = forwards if forwards is not None else []  # (backend, ...) in the order run, shared
 
     def eval(self, seq_id, start, tokens, *, prefill=False):
         assert not self.closed, "a closed engine was used"
         self.threads.add(threading.current_thread().name)
+        self.forwards.append(self)
         time.sleep(self.delay * (1 + 0.2 * len(tokens)))  # longer forwards cost more, as a calibration expects
         return super().eval(seq_id, start, tokens, prefill=prefill)
 
@@ -46,10 +51,26 @@ def expected_text(max_tokens=40):
     return engine.generate(GenerationRequest(tuple(ids), max_tokens, spec=SpecConfig("off", 0))).text
 
 
-def test_the_new_build_is_loaded_beside_the_serving_engine_and_swapped_when_nothing_runs():
-    old_backend, new_backend = ClosingFake(seed=7), ClosingFake(seed=7)
-    app = create_app(Engine(old_backend), ServerConfig(served_model_name="fake", spec=SpecConfig("ngram", 3)))
+def streamed_text(url, request):
+    """The text of a streamed completion, read to its end."""
+    text = []
+    with httpx.Client(timeout=30) as client, client.stream("POST", url + "/v1/completions",
+                                                           json={**request, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text.extend(choice["text"] for choice in json.loads(line[6:])["choices"])
+    return "".join(text)
+
+
+def test_the_new_build_is_loaded_beside_the_serving_engine_measured_between_rounds_and_swapped_under_load():
+    forwards = []
+    old_backend, new_backend = ClosingFake(delay=0.005, seed=7, forwards=forwards), ClosingFake(seed=7, forwards=forwards)
+    app = create_app(Engine(old_backend, n_slots=2), ServerConfig(served_model_name="fake", spec=SpecConfig("ngram", 3)))
     scheduler = app.state.specdec.scheduler
+    running_at_switch, forwards_at_switch = [], []
+    scheduler.engine_listeners.append(lambda engine: (running_at_switch.append(scheduler.num_running),
+                                                      forwards_at_switch.append(list(forwards))))
     loading, release = threading.Event(), threading.Event()
     loaded_on = []
 
@@ -57,7 +78,7 @@ def test_the_new_build_is_loaded_beside_the_serving_engine_and_swapped_when_noth
         loaded_on.append(threading.current_thread().name)
         loading.set()
         release.wait(30)  # loading takes a while: the old engine serves meanwhile
-        return Engine(new_backend)
+        return Engine(new_backend, n_slots=2)
 
     watcher = upgrade.BuildWatcher(scheduler.engine, scheduler.request_switch, poll=0.01, prepare=prepare,
                                    finished=lambda: Path("/the/build/libllama.so"))
@@ -67,25 +88,28 @@ def test_the_new_build_is_loaded_beside_the_serving_engine_and_swapped_when_noth
         during = httpx.post(url + "/v1/completions", json=body(), timeout=30)  # answered while the build loads
         assert during.status_code == 200 and during.json()["choices"][0]["text"] == expected_text()
         assert scheduler.engine.target is old_backend and loaded_on == ["specdec-build-watcher"]
-        running, result = in_thread(httpx.post, url + "/v1/completions", json=body(300), timeout=30)
-        wait_until(lambda: scheduler.num_running == 1)
+        # A long stream keeps the server busy throughout: the switch does not wait for it.
+        stream, result = in_thread(streamed_text, url, body(1000))
+        wait_until(lambda: scheduler.num_running == 1 and len(old_backend.eval_calls) > 20)
         release.set()
-        wait_until(lambda: scheduler._switch is not None or scheduler.engine.target is new_backend)
-        if scheduler.num_running:  # the swap waits for the running request; it is not failed
-            assert scheduler.engine.target is old_backend
-        running.join(30)
-        assert result["value"].status_code == 200 and result["value"].json()["choices"][0]["text"] == expected_text(300)
         wait_until(lambda: scheduler.engine.target is new_backend)
-        assert app.state.specdec.engine.target is new_backend
-        new_backend.eval_calls.clear()
-        after = httpx.post(url + "/v1/completions", json=body(), timeout=30)
+        assert app.state.specdec.engine.target is new_backend and running_at_switch == [1] and stream.is_alive()
+        old_forwards = len(old_backend.eval_calls)
+        after = httpx.post(url + "/v1/completions", json=body(), timeout=30)  # a new request: the new build's
         assert after.json()["choices"][0]["text"] == expected_text() and new_backend.eval_calls
+        assert len(old_backend.eval_calls) > old_forwards and not old_backend.closed  # the stream goes on there
+        stream.join(30)
+        assert result["value"] == expected_text(1000)
         wait_until(lambda: old_backend.closed, timeout=5)  # its last request is over
         assert not new_backend.closed
-        # The new build's costs: measured by the worker once idle, never beside the old engine.
-        # (Adopted, or rejected as implausible where this machine's load jolts the fake's sleeps.)
-        wait_until(lambda: scheduler.costs.due_at is None or scheduler.costs.rejected > 0, timeout=20)
+        # The new build's costs were measured by the worker, between the old engine's rounds, and
+        # adopted (or rejected as implausible where this machine's load jolts the fake's sleeps).
         assert new_backend.threads == {"specdec-scheduler"}
+        before = forwards_at_switch[0]
+        measuring = before[before.index(new_backend):]
+        assert measuring.count(new_backend) > 120  # 4 x 15 timed pairs and the scratch prompt
+        assert measuring.count(old_backend) > 20  # the stream's rounds went on between them
+        assert scheduler.costs.new_build is False or scheduler.costs.due_at is not None  # adopted, or to measure again
     watcher.stop()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Generator, Optional
 
 from specdec.engine.sequence import CachedSequence
 
@@ -145,14 +145,40 @@ def calibrate(
     clock: Callable[[], float] = time.perf_counter,
     interrupted: Optional[Callable[[], bool]] = None,
 ) -> CostModel:
-    """Time target forwards over 1..max_tokens tokens (and draft steps) after a scratch prompt.
-    About 15 s for the default pair on a 2-core CPU.
+    """Time target forwards over 1..max_tokens tokens (and draft steps) after a scratch prompt
+    (calibration_steps). About 15 s for the default pair on a 2-core CPU.
+
+    Leaves both caches empty. `interrupted` is asked between forwards (a server calibrating at an
+    idle moment stops for a request): once it says so, CalibrationInterrupted is raised.
+    """
+    steps = calibration_steps(target, draft, max_tokens, repeats, clock)
+    try:
+        while True:
+            next(steps)
+            if interrupted is not None and interrupted():
+                steps.close()
+                target.clear()
+                if draft is not None:
+                    draft.clear()
+                raise CalibrationInterrupted()
+    except StopIteration as done:
+        return done.value
+
+
+def calibration_steps(
+    target: CachedSequence,
+    draft: Optional[CachedSequence],
+    max_tokens: int = 16,
+    repeats: int = 4,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Generator[None, None, CostModel]:
+    """calibrate()'s forwards, yielding before each timed pair (or draft step), so that a caller
+    may run them a few at a time between other work on the same thread (a server measuring a new
+    build between the old one's rounds); returns the model and leaves both caches empty.
 
     Each n is timed right after a one-token forward, and v(n) is the median over repeats of the
     two's ratio, sizes taken in reverse order on odd repeats: on a VM whose step time drifts by
     20 %, ratios of independent minima (lucky one-token steps) made v(n) look dearer by up to 15 %.
-    Leaves both caches empty. `interrupted` is asked between forwards (a server calibrating at an
-    idle moment stops for a request): once it says so, CalibrationInterrupted is raised.
     """
     n_ctx = target.backend.n_ctx
     max_tokens = max(1, min(max_tokens, n_ctx // 2 - 1))
@@ -161,11 +187,6 @@ def calibrate(
     probe = (prompt * max_tokens)[:max_tokens]
 
     def timed(tokens) -> float:
-        if interrupted is not None and interrupted():
-            target.clear()
-            if draft is not None:
-                draft.clear()
-            raise CalibrationInterrupted()
         target.truncate(len(prompt))
         t0 = clock()
         target.extend(tokens)
@@ -173,11 +194,13 @@ def calibrate(
 
     one_token: list[float] = []
     ratios: dict[int, list[float]] = {n: [] for n in range(2, max_tokens + 1)}
+    yield
     target.clear()
     target.prefill(prompt)
     for repeat in range(repeats):
         sizes = range(2, max_tokens + 1) if repeat % 2 == 0 else range(max_tokens, 1, -1)
         for n in sizes:
+            yield
             step = timed(probe[:1])
             one_token.append(step)
             ratios[n].append(timed(probe[:n]) / step)
@@ -186,15 +209,14 @@ def calibrate(
     target_seconds = {1: t1, **{n: t1 * statistics.median(values) for n, values in ratios.items()}}
     draft_step = draft_prefill = None
     if draft is not None:
+        yield
         draft.clear()
         t0 = clock()
         draft.prefill(prompt)
         draft_prefill = (clock() - t0) / len(prompt)
         samples = []
         for token in probe:
-            if interrupted is not None and interrupted():
-                draft.clear()
-                raise CalibrationInterrupted()
+            yield
             t0 = clock()
             draft.extend([token])
             samples.append(clock() - t0)

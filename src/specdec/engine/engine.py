@@ -5,7 +5,7 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Generator, Iterator, Optional, Sequence, Union
 
 from specdec.backends.base import Backend, check_draft_compatible
 from specdec.drafters import registry as drafting_methods
@@ -13,7 +13,7 @@ from specdec.drafters.base import Drafter
 from specdec.drafters.history import CrossRequestCache
 from specdec.drafters.policy.config import PolicyConfig
 from specdec.drafters.registry import SlotParts
-from specdec.engine.cost_model import CostModel, calibrate
+from specdec.engine.cost_model import CostModel, calibrate, calibration_steps
 from specdec.engine.core import EngineCore
 from specdec.engine.decoder import Generation
 from specdec.engine.prompt_cache import PromptCache
@@ -247,6 +247,11 @@ class Engine:
         """
         scratch = self.slots[slot]
         return calibrate(scratch.target, scratch.draft, clock=self.clock, interrupted=interrupted)
+
+    def cost_measurement(self, slot: int = 0) -> Generator[None, None, CostModel]:
+        """measure_costs in steps (cost_model.calibration_steps): one pair of forwards per step."""
+        scratch = self.slots[slot]
+        return calibration_steps(scratch.target, scratch.draft, clock=self.clock)
 
     def use_cost_model(self, cost: CostModel) -> CostModel:
         """Let `auto` price its proposals with `cost`: just measured, or saved by an earlier

@@ -53,14 +53,19 @@ class CostKeeper:
                        "idle moment", occasion, reason, measured.summary(), kept, delay)
         return False
 
-    def measure_new_build(self, engine: Engine, serving: Engine) -> None:
-        """`engine` serves from now on with the costs `serving` priced with (a copy), and its own are
-        measured at the worker's next idle moments: measured beside a busy engine, both builds'
-        threads share the cores and the figures are nonsense."""
-        current = self.last_good or serving.cost_model
-        if current is not None:
-            engine.use_cost_model(CostModel.from_json(current.to_json()))
-        self.new_build, self.due_at, self.rejected = True, self.clock(), 0
+    def adopt_new_build(self, engine: Engine, serving: Engine, measured: Optional[CostModel]) -> None:
+        """`engine` serves from now on, priced with `measured` (its costs, measured by the worker
+        between the serving engine's rounds; None if that failed) where plausible: another
+        build's t(1) is no reference. Else with the costs `serving` priced with (a copy) until
+        measured again at an idle moment."""
+        self.last_good = self.last_good or serving.cost_model
+        self.new_build, self.rejected = True, 0
+        if measured is not None:
+            self.offer(engine, measured, "the new build, measured between rounds")
+            return
+        if self.last_good is not None:
+            engine.use_cost_model(CostModel.from_json(self.last_good.to_json()))
+        self.due_at = self.clock()
         logger.info("the new build prices with the last build's costs until its own are measured at an idle moment")
 
     def due(self) -> bool:

@@ -7,6 +7,10 @@ Each iteration the worker
      (the watchdog, the drain), freeing their slots,
   3. runs one `core.step()`: prompt chunks, then every running generation's round in one shared
      target forward; and hands each request's items to its ticket.
+A better build loaded beside the serving engine (upgrade.py) has its costs measured here, a pair
+of forwards between two rounds, on the same thread (never beside a busy engine, whose threads would
+share the cores); then new requests go to it while those already running finish on the old one,
+whose core is stepped after the new one's until its last request is over.
 This module keeps the queue, the tickets, the deadlines and the mapping of failures to errors; it
 never reads a slot's cache. Events reach each request's asyncio queue through
 `loop.call_soon_threadsafe`.
@@ -23,9 +27,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, cast
+from typing import TYPE_CHECKING, Callable, Generator, Optional, cast
 
 from specdec.engine import core
+from specdec.engine.cost_model import CostModel
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.engine_users import EngineUsers
@@ -52,7 +57,8 @@ class Health:
 @dataclass
 class _Running:
     ticket: Ticket
-    handle: int  # the engine core's
+    core: core.EngineCore  # the one it runs on: the serving engine's, or one a switch left behind
+    handle: int  # that core's
     started: bool = False
     first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
@@ -69,17 +75,18 @@ class Scheduler:
         self.clock = clock
         self._cond = threading.Condition()
         self._waiting: deque[Ticket] = deque()
-        self._running: dict[int, _Running] = {}  # the core's handle -> its request
+        self._running: dict[tuple[core.EngineCore, int], _Running] = {}  # (core, its handle) -> its request
         self._draining = False
         self._stopping = False
         self._stalled: Optional[str] = None  # why the backend is deemed stuck; None while it answers
         self._busy: Optional[tuple[float, str]] = None  # (since, stage) while the worker is in an iteration
         self._thread: Optional[threading.Thread] = None
         self._watchdog: Optional[Watchdog] = None
-        # A better build of the backend, loaded elsewhere (upgrade.py), to serve on
-        # from the first moment nothing runs; the engines left behind (with the generation of
-        # requests that may still hold them), closed once those requests are over.
+        # A better build of the backend, loaded elsewhere (upgrade.py), to serve on once its costs
+        # are measured (between rounds); the engines left behind (with the generation of requests
+        # that may still hold them), stepped while requests run on them and closed once all are over.
         self._switch: Optional[Engine] = None
+        self._measuring: Optional[Generator[None, None, CostModel]] = None  # the new build's costs, in steps
         self._build_watcher: Optional[BuildWatcher] = None
         self._retired: list[tuple[int, Engine]] = []
         self.users = EngineUsers()  # HTTP requests in flight per engine generation (the app counts them)
@@ -130,8 +137,8 @@ class Scheduler:
             self._build_watcher = watch_for_build(self.engine, self.request_switch)
 
     def request_switch(self, engine: Engine) -> None:
-        """Serve on `engine` (loaded; its costs measured at the next idle moments) from the first
-        moment nothing runs; the requests waiting then are its first."""
+        """Serve on `engine` (loaded) once the worker has measured its costs between rounds; the
+        requests waiting then are its first, those running then finish on the old engine."""
         with self._cond:
             self._switch = engine
             self._cond.notify()
@@ -225,7 +232,7 @@ class Scheduler:
         for run in overdue:
             run.ticket.timed_out = True
             if run.started:
-                run.ticket.post(StreamEvent("", [], "cancelled", self.core.stats_of(run.handle)))
+                run.ticket.post(StreamEvent("", [], "cancelled", run.core.stats_of(run.handle)))
             else:
                 run.ticket.post(Failed(self._timeout_error()))
 
@@ -273,11 +280,9 @@ class Scheduler:
                     self._cond.wait(timeout=1.0)
                 if self._stopping:
                     break
-                switch = self._switch if not self._running else None
-                recalibrate = not self._waiting and not self._running and self.costs.due()
-            if switch is not None:
-                self._switch_engine(switch)
-            elif recalibrate:
+                recalibrate = (not self._waiting and not self._running and self._switch is None
+                               and self.costs.due())
+            if recalibrate:
                 self._recalibrate()
             self._close_retired()
             for ticket in self._take_waiting(lambda t: t.cancelled or t.closed):
@@ -287,15 +292,20 @@ class Scheduler:
             try:
                 self._busy = (self.clock(), "admitting")
                 self._sweep()
-                for handle, item in self.core.step(self.config.prefill_chunk, self.config.batch_verify):
-                    run = self._running.get(handle)
-                    if run is not None:
-                        self._hand_over(run, item)
+                for stepped in self._cores_in_use():
+                    for handle, item in stepped.step(self.config.prefill_chunk, self.config.batch_verify):
+                        run = self._running.get((stepped, handle))
+                        if run is not None:
+                            self._hand_over(run, item)
+                if self._switch is not None:
+                    self._measure_new_build()
             except Exception:  # a bug of ours in an iteration: fail what is in flight, keep serving
                 logger.exception("scheduler iteration failed")
+                cores = self._cores_in_use()
                 for run in list(self._running.values()):
                     self._release(run, error=INTERNAL_ERROR)
-                self.core.reset()
+                for each in cores:
+                    each.reset()
             finally:
                 with self._cond:  # against mark_stalled: it sees this iteration running or ended
                     self._busy = None
@@ -307,8 +317,10 @@ class Scheduler:
     def _recover(self) -> None:
         """The stuck call returned: its requests were already failed; serve again."""
         logger.warning("the backend answered again after a stall (%s); serving again", self._stalled)
+        cores = self._cores_in_use()
         self._sweep()  # frees the slots of the requests failed meanwhile
-        self.core.reset()  # whatever the stuck call left in the caches is not trusted
+        for each in cores:
+            each.reset()  # whatever the stuck call left in the caches is not trusted
         with self._cond:
             self._stalled = None
 
@@ -316,17 +328,40 @@ class Scheduler:
         return (self._switch is not None or self.costs.due()
                 or any(self.users.done_with(generation) for generation, _ in self._retired))
 
-    def _switch_engine(self, new: Engine) -> None:
-        """Serve on `new` from now on (nothing runs on the old one): between two rounds, no
-        loading here, and its costs measured at the next idle moments (recalibration.py)."""
+    def _cores_in_use(self) -> list[core.EngineCore]:
+        """The serving engine's core, then any a switch left behind that still runs requests."""
+        left_behind = {run.core for run in self._running.values()} - {self.core}
+        return [self.core, *left_behind]
+
+    def _measure_new_build(self) -> None:
+        """One step of the new build's cost measurement (a pair of forwards on its free slot 0,
+        between two rounds); after the last, the switch."""
+        new = self._switch
+        assert new is not None
+        if self._measuring is None:
+            self._measuring = new.cost_measurement(slot=0)
+        measured: Optional[CostModel] = None
+        self._busy = (self.clock(), "measuring the new build's costs")
+        try:
+            next(self._measuring)
+            return
+        except StopIteration as done:
+            measured = done.value
+        except Exception:
+            logger.exception("measuring the new build's costs failed; it serves with the last build's meanwhile")
+            new.core.reset()  # the measurement's scratch may be left in its slot
+        self._switch_engine(new, measured)
+
+    def _switch_engine(self, new: Engine, measured: Optional[CostModel]) -> None:
+        """Serve on `new` from now on: new requests are its; running ones finish on the old core."""
         with self._cond:
-            self._switch = None
-        self.costs.measure_new_build(new, self.engine)
+            self._switch, self._measuring = None, None
+        self.costs.adopt_new_build(new, self.engine, measured)
         old, self.engine, self.core = self.engine, new, new.core
         for listener in self.engine_listeners:
             listener(new)
         self._retired.append((self.users.next_generation(), old))  # after the listeners: see engine_users.py
-        logger.info("serving on the new build")
+        logger.info("serving on the new build (%d requests finish on the old one)", len(self._running))
 
     def _recalibrate(self) -> None:
         """Measure auto's costs again on a free slot; a request arriving meanwhile interrupts it."""
@@ -342,7 +377,9 @@ class Scheduler:
                 self._busy = None
 
     def _close_retired(self) -> None:
-        for generation, engine in [entry for entry in self._retired if self.users.done_with(entry[0])]:
+        in_use = {run.core for run in self._running.values()}
+        for generation, engine in [entry for entry in self._retired
+                                   if self.users.done_with(entry[0]) and entry[1].core not in in_use]:
             self._retired.remove((generation, engine))
             engine.close()
             logger.info("closed the engine served before the switch: its last request is over")
@@ -357,7 +394,7 @@ class Scheduler:
             ticket = min(self._waiting, key=lambda t: holding.get(t.request.tenant, 0))  # first of the fewest
             self._waiting.remove(ticket)
             handle = self.core.add(ticket.request)
-            self._running[handle] = _Running(ticket, handle)
+            self._running[(self.core, handle)] = _Running(ticket, self.core, handle)
 
     def _sweep(self) -> None:
         """End the generations whose client left, whose time is up, or that someone else ended."""
@@ -368,7 +405,7 @@ class Scheduler:
                 continue
             if not (ticket.cancelled or ticket.closed):
                 ticket.timed_out = True
-            final = self.core.abort(run.handle)
+            final = run.core.abort(run.handle)
             if final is not None:
                 # Its final event: the text so far, "length" on a time limit (dropped if already ended).
                 self._deliver(run, final)
@@ -417,9 +454,9 @@ class Scheduler:
         """The request is over here; the core frees its slot (already freed if it ended there)."""
         if error is not None:
             run.ticket.post(Failed(error))
-        self.core.abort(run.handle)
+        run.core.abort(run.handle)
         with self._cond:
-            self._running.pop(run.handle, None)
+            self._running.pop((run.core, run.handle), None)
 
     def _timeout_error(self) -> APIError:
         return queue_timeout_error(self.config.request_timeout, self.config.retry_after)
@@ -431,7 +468,7 @@ class Scheduler:
             ticket.post(Failed(error))
         for run in list(self._running.values()):
             run.ticket.post(Failed(error))
-            final = self.core.abort(run.handle)
+            final = run.core.abort(run.handle)
             if final is not None:
                 self._deliver(run, final)
             else:

@@ -6,13 +6,12 @@ ik-pending` names the build's folder. The watcher looks every few seconds; once 
 complete (its wheel and its unpacked library are there) and this CPU runs it, the watcher's own
 thread loads the new engine from the unpacked library (the old one stays open beside it: a
 library cannot be reloaded under the same path) while the old engine keeps serving; it then hands
-it to the scheduler, which serves on the new engine from the first moment nothing runs, between
-two rounds (scheduler.py), pricing with the old build's costs until the worker has measured the
-new one's at idle moments (recalibration.py): measured beside the busy old engine, the two
-builds' threads would share the cores and make both the figures and the serving wrong. A server
-that is never idle stays on the old build. The old engine is closed once the last request that may hold it is over
-(engine_users.py). Later starts load the build from the virtualenv, where the background job has
-installed it.
+it to the scheduler, whose worker measures the new build's costs a pair of forwards between two
+rounds (measured on another thread beside the busy old engine, the two builds' threads would share
+the cores and make both the figures and the serving wrong), then gives new requests to it while
+those already running finish on the old engine (scheduler.py). The old engine is closed once the
+last request that may hold it is over (engine_users.py). Later starts load the build from the
+virtualenv, where the background job has installed it.
 """
 from __future__ import annotations
 
@@ -88,7 +87,7 @@ def provisional(engine: Engine) -> bool:
 def upgraded_engine(engine: Engine, library: Path) -> Engine:
     """The same models on the build at `library`, with the weights repacked where the configuration
     was the rule's (runtime.default_config: repacked on specdec's build); its costs are measured
-    after the switch, by the worker (recalibration.py)."""
+    by the scheduler's worker, between rounds."""
     from specdec.runtime import load_engine
 
     os.environ[LIBRARY_ENV] = str(library)  # from now on this process opens that build
@@ -147,7 +146,7 @@ class BuildWatcher:
                 if self._stop.is_set():
                     new.close()  # the server stopped meanwhile
                     return
-                logger.info("switching to specdec's build at the first moment nothing runs")
+                logger.info("switching to specdec's build once the worker has measured its costs between rounds")
                 self.switch(new)
                 return
 
