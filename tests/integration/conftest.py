@@ -83,3 +83,15 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "integration" in str(item.fspath):
             item.add_marker(pytest.mark.real_models)
+
+
+@pytest.fixture
+def provisional_engine():
+    """The default pair on ik_llama.cpp with its weights as stored, as a server on PyPI's wheel runs
+    it: an engine of the test's own (a build switch closes it); skipped where that configuration is
+    the default or is not installed."""
+    if "ik_llama.cpp" == DEFAULT_BACKEND or "ik_llama.cpp" not in SAMPLED_BACKENDS:
+        pytest.skip("needs ik_llama.cpp, weights as stored, installed beside the default configuration")
+    engine = load_real_engine("ik_llama.cpp")
+    yield engine
+    engine.close()  # closing twice does nothing
