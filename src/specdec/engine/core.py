@@ -232,9 +232,9 @@ class EngineCore:
 
     def _park(self, active: _Active) -> None:
         """Keep what the slot holds in the prompt cache (prompt_cache.py) where the request would
-        drop some of it: another conversation takes the slot. The request then keeps only the
-        whole blocks of its own start (keepable: the block it would write in is the parked
-        start's too), so where that cuts what it keeps, only for a block's worth more."""
+        drop some of it: another conversation takes the slot. Parking costs the request what it
+        keeps past its last whole block (keepable: that block is the parked start's too), so
+        where it keeps some, only if the slot drops a block's worth more."""
         cache, sequence = self.engine.prompt_cache, self.engine.slots[active.slot].target
         if cache is None or not sequence.tokens:
             return
