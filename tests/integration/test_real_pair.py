@@ -315,29 +315,38 @@ def test_a_prompt_start_shared_from_another_slot_gives_the_logits_of_processing_
 
 def test_a_parked_prompt_start_restores_the_logits_of_processing_from_scratch(real_engine):
     """The prompt cache (engine/prompt_cache.py): a slot's start parked under a spare sequence id,
-    the slot reused by another prompt, then adopted by the next turn: bit for bit the logits of
-    processing the prompt itself."""
+    the slot reused by another prompt, then the conversation's next turn restores as much as the
+    slot would have kept, its last block in part: bit for bit the logits of processing the prompt
+    itself."""
     cache, target = real_engine.prompt_cache, real_engine.target
     if cache is None:
         pytest.skip(f"{target.name} keeps a context per sequence here: nothing to park")
     prompt = next(p for c, p in EQUALITY_PROMPTS if c == "summarization")
     ids = real_engine.encode_prompt(prompt, chat=True)
+    block = target.prefix_share_block
     slot, turn = real_engine.slots[0].target, real_engine.slots[1].target
-    tail = ids[-1:] + target.tokenize(" def f(x): return x", add_special=False)[:5]
+    answer = target.tokenize(" The summary: it is short.", add_special=False)
+    follow_up = target.tokenize(" Now say it in French.", add_special=False)
+    next_turn = ids + answer + follow_up[:-1]  # the next turn's prompt less its last token
+    tail = follow_up[-1:] + target.tokenize(" def f(x): return x", add_special=False)[:5]
     turn.clear()
-    turn.prefill(ids[:-1])
+    turn.prefill(next_turn)
     alone = turn.extend(tail)
     turn.clear()
     try:
         slot.prefill(ids[:-1])
+        slot.extend(ids[-1:] + answer[:-1])  # the first turn's answer, decoded
+        resident = slot.reusable_prefix(next_turn)  # what the slot itself would keep
         cache.park(slot, "tenant")
         slot.clear()
         slot.prefill(target.tokenize("Another conversation takes the slot. " * 60, add_special=False))
-        parked, length = cache.best("tenant", ids[:-1])
-        assert parked is not None and length >= target.prefix_share_block and length % target.prefix_share_block == 0
-        assert cache.best("someone else", ids[:-1]) == (None, 0)
-        turn.adopt(parked.sequence, length)
-        turn.prefill(ids[:-1])  # the rest, in cells of its own
+        parked, length = cache.best("tenant", next_turn)
+        assert parked is not None and length == resident > block
+        assert cache.best("someone else", next_turn) == (None, 0)
+        assert length % block, "this prompt's reusable start ends inside a block (832 of 839 tokens)"
+        cache.restore(parked, turn, length)
+        assert parked.sequence.tokens == ids[:length // block * block]  # the last block is the turn's alone
+        assert turn.prefill(next_turn) == length  # the rest, from there on
         restored = turn.extend(tail)
         assert np.array_equal(restored, alone), f"up to {np.abs(restored - alone).max()}"
     finally:

@@ -48,7 +48,7 @@ def test_a_shared_block_is_free_again_only_when_its_last_holder_drops_it():
     blocks = CellBlocks(64, block=8)
     blocks.cells(0, range(20))  # blocks 0, 1, 2
     blocks.share(0, 1, 16)  # sequence 1 takes positions 0..15: blocks 0 and 1, the same cells
-    assert blocks.cells(1, range(16)) == list(range(16))
+    assert blocks.first_cell(1) == 0
     assert blocks.cells(1, [16]) == [24]  # its own next block above them: still rising
     blocks.truncate(0, 0)
     assert blocks.cells(2, range(9)) == [16, 17, 18, 19, 20, 21, 22, 23, 32]  # block 2 was 0's alone
@@ -68,16 +68,37 @@ def test_no_holder_may_cut_into_a_block_it_shares():
     assert blocks.keepable(0, 12) == 12
 
 
-def test_only_whole_blocks_are_shared_and_only_into_an_empty_sequence():
+def test_sharing_takes_the_blocks_of_held_positions_and_only_into_an_empty_sequence():
     blocks = CellBlocks(64, block=8)
     blocks.cells(0, range(20))
-    with pytest.raises(ValueError):
-        blocks.share(0, 1, 12)
     with pytest.raises(ValueError):
         blocks.share(0, 1, 32)  # more than it holds
     blocks.cells(1, [0])
     with pytest.raises(ValueError):
-        blocks.share(0, 1, 8)
+        blocks.share(1, 0, 8)
+
+
+def test_a_start_ending_inside_a_block_shares_it_and_only_its_last_holder_writes_there():
+    blocks = CellBlocks(64, block=8)
+    blocks.cells(0, range(20))  # blocks 0, 1, 2; position 19 in block 2
+    blocks.share(0, 1, 12)  # positions 0..11: blocks 0 and 1, block 1 in part
+    assert blocks.keepable(1, 12) == 8 and blocks.keepable(0, 12) == 8
+    with pytest.raises(ValueError, match="another sequence holds"):
+        blocks.cells(1, [12])  # position 12 of sequence 0 still sits in that block
+    blocks.truncate(0, 8)  # sequence 0 keeps block 0 only: block 1 is sequence 1's alone
+    assert blocks.keepable(1, 12) == 12
+    assert blocks.cells(1, range(12, 18)) == [12, 13, 14, 15, 16, 17]  # then block 2, freed by 0's cut
+    with pytest.raises(ValueError, match="another sequence holds"):
+        blocks.cells(0, [3])  # block 0 stays shared
+
+
+def test_room_to_hold_counts_a_block_taken_in_part():
+    blocks = CellBlocks(32, block=8)  # four blocks
+    blocks.cells(0, range(12))  # blocks 0 and 1
+    blocks.cells(1, range(8))  # block 2
+    assert blocks.room_to_hold(2, 0, 12, 16)  # blocks 0 and 1 (in part): its positions up to 16 fit
+    assert blocks.room_to_hold(2, 0, 12, 24)  # and one more above: block 3
+    assert not blocks.room_to_hold(2, 0, 12, 32)
 
 
 def test_room_to_hold_counts_the_free_blocks_above_a_shared_start():

@@ -37,12 +37,16 @@ def test_a_conversation_whose_slot_was_taken_is_restored_from_its_parked_start()
     second = turn(CONVERSATION_A + tuple(answer) + (7, 8, 9), method="off")  # multi-row calls: its prompt
     engine.target.eval_calls.clear()
     (tokens, stats), = run_together(engine, [second])
-    # Conversation A's whole blocks, its answer's too (the fake computes every position exactly;
-    # on llama.cpp only whole prompt chunks are shared): 56 of 62, not processed again.
-    assert stats["cached_prompt_tokens"] == 56
+    # All the slot held of conversation A and its answer, its last block in part (the fake
+    # computes every position exactly; on llama.cpp only whole prompt chunks are reused): 59 of
+    # 62, as the slot itself would have kept, not processed again.
+    resident = parking_engine()
+    run_together(resident, [turn(CONVERSATION_A)])
+    (_, kept), = run_together(resident, [second])
+    assert stats["cached_prompt_tokens"] == kept["cached_prompt_tokens"] == 59
     assert tokens == alone(second)
-    assert prompt_rows(engine.target) < len(second.prompt_token_ids) - 56 + BLOCK
-    assert engine.prompt_cache.stats.hits == 1 and engine.prompt_cache.stats.tokens_restored == 56
+    assert prompt_rows(engine.target) == len(second.prompt_token_ids) - 1 - 59
+    assert engine.prompt_cache.stats.hits == 1 and engine.prompt_cache.stats.tokens_restored == 59
 
 
 def test_without_parking_the_same_turn_is_processed_from_its_first_token():
@@ -85,16 +89,16 @@ def test_parked_starts_give_way_to_a_sequence_that_needs_cells_and_it_stays_exac
 
 
 def test_the_parked_start_a_request_adopts_is_spared_while_the_others_make_room_above_it():
-    # One slot of 160 positions: 20 blocks. Parked: A in blocks 0..6 (the oldest), B in 7..13, then
-    # C in 14..15 when A's next turn takes the slot. That turn, with 90 tokens to answer, needs 12
-    # blocks above A's start: there only once B and C are dropped, A kept.
+    # One slot of 160 positions: 20 blocks. Parked: A in blocks 0..7 (the oldest, the last in
+    # part), B in 8..15, then C in 16..18 when A's next turn takes the slot. That turn, with 90
+    # tokens to answer, needs 12 blocks above A's start: there only once B and C are dropped, A kept.
     engine = parking_engine(n_ctx=160, max_sequences=1)
     (answer, _), = run_together(engine, [turn(CONVERSATION_A)])
     run_together(engine, [turn(CONVERSATION_B)])
     run_together(engine, [turn(range(200, 210))])
     next_turn = turn(CONVERSATION_A + tuple(answer) + (7, 8, 9), max_tokens=90, method="off")
     (tokens, stats), = run_together(engine, [next_turn])
-    assert stats["cached_prompt_tokens"] == 56 and tokens == alone(next_turn)
+    assert stats["cached_prompt_tokens"] == 59 and tokens == alone(next_turn)
     assert engine.prompt_cache.stats.evicted == 2 and engine.prompt_cache.stats.hits == 1
     (kept,) = engine.prompt_cache._entries
     assert kept.sequence.tokens[:len(CONVERSATION_A)] == list(CONVERSATION_A)
@@ -127,3 +131,88 @@ def test_the_server_reports_a_restored_start_in_usage_and_metrics():
         restored = metric(url, "specdec:prompt_cache_restored_tokens_total")
         assert metric(url, "specdec:prompt_cache_hits_total") == 1 and restored >= BLOCK
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == restored
+
+
+# On llama.cpp only positions computed in whole prompt chunks are reused (engine/sequence.py):
+# a fake with chunks of 4 and blocks of 8 leaves a conversation's reusable start inside a block.
+class ChunkedFake(FakeBackend):
+    prefill_alignment = 4
+
+
+CONVERSATION_C = tuple(range(40, 86))  # 46 tokens: its 45-token prefix in whole chunks up to 44, in block 5
+
+
+def chunked_engine(**kwargs):
+    return Engine(ChunkedFake(seed=5, prefix_share_block=BLOCK, parked_sequences=4, **kwargs), n_slots=1)
+
+
+def resident_cached_tokens(first, second):
+    """cached_prompt_tokens of `second` served right after `first`, in the same slot."""
+    engine = chunked_engine()
+    run_together(engine, [first])
+    (_, stats), = run_together(engine, [second])
+    return stats["cached_prompt_tokens"]
+
+
+def test_a_restored_start_brings_back_what_the_slot_would_have_kept_its_last_block_in_part():
+    engine = chunked_engine()
+    first = turn(CONVERSATION_C)
+    (answer, _), = run_together(engine, [first])
+    run_together(engine, [turn(CONVERSATION_B)])
+    second = turn(CONVERSATION_C + tuple(answer) + (7, 8, 9), method="off")
+    (tokens, stats), = run_together(engine, [second])
+    assert stats["cached_prompt_tokens"] == resident_cached_tokens(first, second) == 44  # not 40: block 5 too
+    assert tokens == alone(second)
+    held = [entry.sequence.tokens for entry in engine.prompt_cache._entries]
+    assert list(CONVERSATION_C[:40]) in held  # C's start handed block 5 over and kept blocks 0..4
+
+
+def test_the_very_same_prompt_again_is_restored_whole_as_its_slot_would_have_kept_it():
+    engine = chunked_engine()
+    first = turn(CONVERSATION_C, max_tokens=4)
+    run_together(engine, [first])
+    run_together(engine, [turn(CONVERSATION_B)])
+    (tokens, stats), = run_together(engine, [first])
+    assert stats["cached_prompt_tokens"] == resident_cached_tokens(first, first) == len(CONVERSATION_C) - 1
+    assert tokens == alone(first)
+
+
+def test_a_prompt_diverging_inside_a_parked_start_takes_its_whole_blocks_and_leaves_it_whole():
+    engine = chunked_engine()
+    first = turn(CONVERSATION_C)
+    (answer, _), = run_together(engine, [first])
+    run_together(engine, [turn(CONVERSATION_B)])
+    edited = turn(CONVERSATION_C[:30] + (7,) * 20, method="off")  # diverges at 30, in block 3
+    (tokens, stats), = run_together(engine, [edited])
+    assert stats["cached_prompt_tokens"] == 24 and tokens == alone(edited)  # blocks 0..2, shared
+    assert any(entry.sequence.tokens == list(CONVERSATION_C[:45]) for entry in engine.prompt_cache._entries)
+    second = turn(CONVERSATION_C + tuple(answer) + (7, 8, 9), method="off")
+    (tokens, stats), = run_together(engine, [second])
+    assert stats["cached_prompt_tokens"] == 44 and tokens == alone(second)
+
+
+def test_a_slot_keeping_a_common_start_for_its_next_request_parks_the_rest_and_both_stay_exact():
+    # The slot holds C; the next request shares C's first 30 tokens (a system prompt): it keeps
+    # the whole blocks of them it shares with the parked start (0..2), C's start is parked whole,
+    # and C's next turn restores all of it.
+    engine = chunked_engine()
+    first = turn(CONVERSATION_C)
+    (answer, _), = run_together(engine, [first])
+    sharing = turn(CONVERSATION_C[:30] + (7,) * 20, method="off")
+    (tokens, stats), = run_together(engine, [sharing])
+    assert stats["cached_prompt_tokens"] == 24 and tokens == alone(sharing)
+    assert len(engine.prompt_cache) == 1
+    second = turn(CONVERSATION_C + tuple(answer) + (7, 8, 9), method="off")
+    (tokens, stats), = run_together(engine, [second])
+    assert stats["cached_prompt_tokens"] == 44 and tokens == alone(second)
+
+
+def test_a_start_shorter_than_a_block_is_parked_and_restored():
+    engine = chunked_engine()
+    first = turn(CONVERSATION_C[:7])  # 6 prompt positions: whole chunks up to 4
+    (answer, _), = run_together(engine, [first])
+    run_together(engine, [turn(CONVERSATION_B)])
+    second = turn(CONVERSATION_C[:7] + tuple(answer) + (7, 8, 9), method="off")
+    (tokens, stats), = run_together(engine, [second])
+    assert stats["cached_prompt_tokens"] == resident_cached_tokens(first, second) == 4
+    assert tokens == alone(second)

@@ -28,8 +28,8 @@ class Backend(ABC):
     # aligned_chunks), because this backend's numbers for a position depend on the batch it was
     # computed in; prefix caching then reuses only whole chunks (engine/sequence.py).
     prefill_alignment: int = 1
-    # > 0: a sequence may take another's cached positions (share_prefix) in whole multiples of
-    # this, without computing them again; 0: each sequence computes its own.
+    # > 0: a sequence may take another's cached positions (share_prefix) in blocks of this,
+    # without computing them again; 0: each sequence computes its own.
     prefix_share_block: int = 0
     # Sequence ids max_sequences .. max_sequences + parked_sequences - 1 may hold shared positions
     # (share_prefix, truncate) but are never evaluated: prompt starts parked (engine/prompt_cache.py).
@@ -62,8 +62,10 @@ class Backend(ABC):
         """Drop seq_id's cached positions from `length` onward."""
 
     def share_prefix(self, source_seq: int, seq_id: int, length: int) -> None:
-        """seq_id (holding nothing) takes source_seq's cached positions < length, a multiple of
-        prefix_share_block, as if it had computed them itself."""
+        """seq_id (holding nothing) takes source_seq's cached positions < length, as if it had
+        computed them itself: the blocks of prefix_share_block holding them, the last one in part
+        where length is no multiple of it (neither may then write in that block while the other
+        holds it: keepable)."""
         raise NotImplementedError(f"{self.name} cannot share cached positions between sequences")
 
     def keepable(self, seq_id: int, length: int) -> int:

@@ -12,9 +12,13 @@ a forward").
 Example (BLOCK 4, 12 cells): A takes blocks 0 and 1 for positions 0..5 (cells 0..5), B then
 block 2 (cells 8..); A's positions 8.. need a block above 1: block 2 is B's, so none is free.
 
-Sequences with a common prompt start share its whole blocks (share(): the cells hold the same
-positions, so each still sums as alone); a block is free again when its last holder drops it, and
-no holder may cut into a shared block and write there (keepable() says where a cut may fall).
+Sequences with a common prompt start share its blocks (share(): the cells hold the same
+positions, so each still sums as alone); a block is free again when its last holder drops it. A
+sequence writes only into blocks it holds alone (cells() refuses the others), so no holder may
+cut into a shared block and write there (keepable() says where a cut may fall). A start that ends
+inside a block shares that block too, the cells past the start free: a holder that never writes
+(a parked prompt start, engine/prompt_cache.py) may keep it, and whoever writes after the start
+there does so once the other holders have dropped it.
 """
 from __future__ import annotations
 
@@ -34,13 +38,17 @@ class CellBlocks:
         self._holders: dict[int, int] = {}  # block -> how many sequences hold it
 
     def cells(self, seq: int, positions: Sequence[int]) -> list[int]:
-        """The cell of each position of `seq`, taking blocks as the positions need them."""
+        """The cell of each position `seq` is about to write, taking blocks as the positions need
+        them; never in a block another sequence holds."""
         blocks = self._blocks.setdefault(seq, [])
         out = []
         for position in positions:
             index, offset = divmod(position, self.block)
             while len(blocks) <= index:
                 blocks.append(self._take_above(blocks[-1] if blocks else -1, seq))
+            if self._holders[blocks[index]] > 1:
+                raise ValueError(f"sequence {seq} would write position {position} into block {blocks[index]}, "
+                                 "which another sequence holds")
             out.append(blocks[index] * self.block + offset)
         return out
 
@@ -49,11 +57,13 @@ class CellBlocks:
         return self._blocks[seq][0] * self.block
 
     def share(self, source: int, seq: int, length: int) -> None:
-        """`seq` (holding nothing) takes `source`'s positions < length, a whole number of blocks."""
-        if length % self.block or self._blocks.get(seq):
-            raise ValueError(f"sequence {seq} can share only whole blocks, and only while it holds none")
-        shared = self._blocks.get(source, [])[:length // self.block]
-        if len(shared) * self.block != length:
+        """`seq` (holding nothing) takes `source`'s positions < length: the blocks that hold them,
+        the last one in part where `length` is no multiple of the block."""
+        if self._blocks.get(seq):
+            raise ValueError(f"sequence {seq} can share positions only while it holds none")
+        count = -(-length // self.block)
+        shared = self._blocks.get(source, [])[:count]
+        if len(shared) != count:
             raise ValueError(f"sequence {source} holds fewer than {length} positions")
         for block in shared:
             self._holders[block] += 1

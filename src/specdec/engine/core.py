@@ -232,12 +232,15 @@ class EngineCore:
 
     def _park(self, active: _Active) -> None:
         """Keep what the slot holds in the prompt cache (prompt_cache.py) where the request would
-        drop at least a whole block of it: another conversation takes the slot."""
+        drop some of it: another conversation takes the slot. Parking costs the request what it
+        keeps past its last whole block (keepable: that block is the parked start's too), so
+        where it keeps some, only if the slot drops a block's worth more."""
         cache, sequence = self.engine.prompt_cache, self.engine.slots[active.slot].target
         if cache is None or not sequence.tokens:
             return
-        keep = self._reusable(active.slot, active.request)
-        if sequence.shareable_prefix(sequence.tokens) >= keep + self.engine.target.prefix_share_block:
+        keep, block = self._reusable(active.slot, active.request), self.engine.target.prefix_share_block
+        dropped = sequence.reusable_end - keep  # what a longer prompt could reuse that the request does not
+        if dropped > 0 and (keep % block == 0 or dropped >= block):
             try:
                 cache.park(sequence, self._slot_tenant[active.slot])
             except Exception:  # a start not kept costs its reprocessing later, never this request
@@ -311,9 +314,10 @@ class EngineCore:
             chosen = next(option for option in options if option[2] is None)
         holder, length, entry = chosen
         if holder is not own:
-            own.adopt(holder, length)
             if cache is not None and entry is not None:
-                cache.restored(entry, length)
+                cache.restore(entry, own, length)
+            else:
+                own.adopt(holder, length)
             active.admitted.cached_prompt_tokens = length
         elif length < len(own.tokens):
             own.clear()

@@ -4,10 +4,15 @@ With more live conversations than slots (a support bot's users, several agent se
 slot given to another request used to lose what it held, and the conversation's next turn was
 processed again from its first token. Where the backend lets sequences share cached positions
 (specdec's ik_llama.cpp build: cell_blocks.py), a slot's prompt start is parked instead: a
-spare sequence id takes its whole blocks (no copy, the cells get a second owner), and a later
-request of the same tenant whose prompt starts with those tokens adopts them as it would adopt
-another slot's, processing only the rest. The cells are the ones computed for the first prompt,
-so a restored start is bit-identical to the same start processed again.
+spare sequence id takes the cells of all the slot would have kept for a later prompt, its last
+block in part (no copy, the cells get a second owner; the slot drops them as the new request
+takes it), and a later request of the same tenant whose prompt starts with those tokens adopts
+them as if its slot had waited for it, processing only the rest. A request that takes all of a
+start's reusable positions takes that last block over (the parked start keeps the whole blocks
+before it), since it writes its next positions there; one whose prompt diverges earlier takes
+the whole blocks before the divergence, shared, and leaves the start parked as it was. The cells
+are the ones computed for the first prompt, so a restored start is bit-identical to the same
+start processed again.
 
 Parked starts hold cells no running sequence uses; a sequence that needs cells gets them first:
 the least recently used parked start is dropped until it has room (EngineCore._make_room), as is
@@ -57,9 +62,9 @@ class PromptCache:
         return len(self._entries)
 
     def park(self, source: CachedSequence, tenant: Optional[str]) -> None:
-        """Keep the shareable start of what `source` holds, unless a parked start of the tenant
+        """Keep the restorable start of what `source` holds, unless a parked start of the tenant
         already covers it (one it covers is dropped: the new one holds all of it and more)."""
-        length = source.shareable_prefix(source.tokens)
+        length = source.restorable()
         if not length:
             return
         tokens = source.tokens[:length]
@@ -86,20 +91,32 @@ class PromptCache:
         self.stats.parked += 1
 
     def best(self, tenant: Optional[str], prompt: Sequence[int]) -> tuple[Optional[Parked], int]:
-        """The tenant's parked start that serves the longest start of `prompt`, and that length."""
+        """The tenant's parked start that serves the longest start of `prompt`, and that length:
+        all that its slot would have kept for `prompt` where that takes all the start's reusable
+        positions, else the whole blocks of the common start (the rest stays parked)."""
         best: tuple[Optional[Parked], int] = (None, 0)
         for entry in self._entries:
             if entry.tenant == tenant:
-                length = entry.sequence.shareable_prefix(prompt)
+                length = entry.sequence.reusable_prefix(prompt)
+                if length < entry.sequence.reusable_end:
+                    length = entry.sequence.shareable_prefix(prompt)
                 if length > best[1]:
                     best = (entry, length)
         return best
 
-    def restored(self, entry: Parked, tokens: int) -> None:
-        """A request adopted `tokens` positions of `entry`."""
-        entry.used = self._tick()
+    def restore(self, entry: Parked, into: CachedSequence, length: int) -> None:
+        """`into` takes the first `length` positions of `entry` (a length best() gave). A last
+        block taken in part becomes into's alone, as into writes its next positions there: the
+        parked start keeps the whole blocks before it, or goes once it has none."""
+        into.adopt(entry.sequence, length)
+        block = self.backend.prefix_share_block
         self.stats.hits += 1
-        self.stats.tokens_restored += tokens
+        self.stats.tokens_restored += length
+        entry.used = self._tick()
+        if length % block:
+            entry.sequence.truncate(length // block * block)
+            if not entry.sequence.tokens:
+                self._drop(entry)
 
     def evict_one(self, sparing: Optional[Parked] = None) -> bool:
         """Drop the least recently used parked start but `sparing` (one a request is about to

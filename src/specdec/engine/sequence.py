@@ -7,8 +7,10 @@ scratch would have put there. On a backend whose numbers depend on the batch a p
 computed in (`prefill_alignment` > 1, e.g. llama.cpp in exact mode), a sequence made with
 `aligned_reuse` therefore reuses only whole prompt chunks: positions that prompt processing
 computed in full aligned chunks, never positions a decode step or a partial last chunk computed.
-Another sequence of the same backend may take those positions too (adopt), in whole blocks of
-the backend's prefix_share_block, where the backend lets sequences share cached positions.
+Another sequence of the same backend may take those positions too (adopt), where the backend
+lets sequences share cached positions: another slot's in whole blocks of the backend's
+prefix_share_block, a parked start's (engine/prompt_cache.py) as far as its slot would have kept
+them.
 """
 from __future__ import annotations
 
@@ -51,6 +53,17 @@ class CachedSequence:
             common = min(common, self._whole_chunks_end) // self.alignment * self.alignment
         return self.backend.keepable(self.seq_id, common)
 
+    @property
+    def reusable_end(self) -> int:
+        """Where the positions a longer prompt may reuse end: those that prompt processing
+        computed in whole chunks (all it holds where alignment is 1)."""
+        return self._whole_chunks_end if self.alignment > 1 else len(self.tokens)
+
+    def restorable(self) -> int:
+        """How many of its first positions some later prompt may reuse (reusable_prefix): its
+        whole prompt chunks, or all of its last prompt, which serves that very prompt again."""
+        return max(self.reusable_end, self._prefill_end)
+
     def shareable_prefix(self, tokens: Sequence[int]) -> int:
         """How much of `tokens` another sequence may take from this cache: computed by prompt
         processing in whole chunks, cut to whole blocks of the backend's prefix_share_block."""
@@ -63,11 +76,13 @@ class CachedSequence:
         return common // unit * unit
 
     def adopt(self, source: "CachedSequence", length: int) -> None:
-        """Hold `source`'s first `length` positions (its shareable_prefix) instead of what this holds."""
+        """Hold `source`'s first `length` positions (its shareable_prefix, or up to its restorable()
+        length) instead of what this holds, reusable as far as they were in `source`."""
         self.clear()
         self.backend.share_prefix(source.seq_id, self.seq_id, length)
         self.tokens = source.tokens[:length]
-        self._whole_chunks_end = length  # computed in whole chunks by the source's prompt processing
+        self._whole_chunks_end = min(length, source._whole_chunks_end) if source.alignment > 1 else length
+        self._prefill_end = length if length == source._prefill_end else 0  # the source's very prompt
 
     def reuse_prefix(self, tokens: Sequence[int]) -> int:
         """Keep the reusable cached prefix of `tokens` (prefix caching); returns its length."""
