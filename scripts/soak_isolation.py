@@ -226,12 +226,11 @@ def hostile_rounds(url: str, port: int, args, deadline: float, rounds: list[dict
     """The hostile attacks until the deadline, with the hostile tenant's key and without a key in turn."""
     while time.monotonic() < deadline:
         key = KEYS[HOSTILE] if len(rounds) % 2 == 0 else None
-        started = time.time()
         try:
             results = attacks(url, port, args.write_timeout, MODEL, key)
         except Exception as exc:  # a transport error mid-round (the server gone?): recorded, not raised
             results = {"round failed": f"{type(exc).__name__}: {exc}"}
-        rounds.append({"tenant": HOSTILE if key else "unauthenticated", "started": started, "results": results})
+        rounds.append({"tenant": HOSTILE if key else "unauthenticated", "results": results})
 
 
 async def quiet_run(url: str, max_tokens: int) -> list[str]:
@@ -345,8 +344,8 @@ def judge_hostile(rounds: list[dict]) -> dict:
                 closed_after.append(float(value.split()[1]))
             else:
                 tally[value] += 1
-    report = {sender: {attack: dict(value) if isinstance(value, Counter) else value for attack, value in attacks_.items()}
-              for sender, attacks_ in counts.items()}
+    report = {sender: {attack: dict(value) if isinstance(value, Counter) else value for attack, value in by_attack.items()}
+              for sender, by_attack in counts.items()}
     return {"by_sender": report, "server_errors": sorted({f"{entry['tenant']}: {attack}" for entry in rounds
                                                           for attack in server_errors(entry["results"])}),
             "rounds_failed": [entry["results"]["round failed"] for entry in rounds if "round failed" in entry["results"]],

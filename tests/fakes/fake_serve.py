@@ -76,7 +76,8 @@ def serving(flags: list[str], costs: Optional[dict[str, float]] = None, command:
         deadline = time.monotonic() + start_timeout
         while True:
             try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                # ours, not another server that took the free port meanwhile (a real model loads for a minute)
+                if httpx.get(url + "/health", timeout=5).status_code == 200 and listens(process.pid, port):
                     break
             except httpx.TransportError:
                 pass
@@ -91,6 +92,23 @@ def serving(flags: list[str], costs: Optional[dict[str, float]] = None, command:
             process.wait()
         if owned:
             log.close()
+
+
+def listens(pid: int, port: int) -> bool:
+    """The process listens on the TCP port (Linux: /proc; elsewhere, assumed)."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        table = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return True
+    sockets = set()
+    for fd in fds:
+        try:
+            sockets.add(os.readlink(fd))
+        except OSError:  # closed meanwhile
+            pass
+    return any(fields[1].endswith(f":{port:04X}") and fields[3] == "0A" and f"socket:[{fields[9]}]" in sockets
+               for fields in (line.split() for line in table))  # 0A: LISTEN
 
 
 def rss_mib(pid: int) -> dict[str, float]:
