@@ -15,7 +15,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import BinaryIO, Iterator, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `fakes` when run as a script
 
@@ -51,20 +51,24 @@ def free_port() -> int:
 
 @contextmanager
 def serving(flags: list[str], costs: Optional[dict[str, float]] = None, command: Optional[list[str]] = None,
-            start_timeout: float = 120.0) -> Iterator[tuple[str, subprocess.Popen]]:
+            start_timeout: float = 120.0, env: Optional[dict[str, str]] = None,
+            log: Optional[BinaryIO] = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """Runs `specdec serve FLAGS` (on fake models unless `command` is given: e.g. the real
     `[python, -m, specdec.cli]`) on a free port until /health answers; yields (base_url, process)
-    and kills the process at the end if it is still running. Its stderr goes to a temporary file
-    that is printed if it fails to start."""
+    and kills the process at the end if it is still running. `env` is added to this process's
+    environment. Its stderr (the log) goes to `log`, or else to a temporary file; either is
+    printed if it fails to start."""
     import tempfile
 
     import httpx
 
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
     env.update({f"SPECDEC_FAKE_{name.upper()}": str(value) for name, value in (costs or {}).items()})
     command = command or [sys.executable, __file__]
-    log = tempfile.TemporaryFile()
+    owned = log is None
+    log = tempfile.TemporaryFile() if log is None else log
     process = subprocess.Popen([*command, "serve", "--port", str(port), *flags], env=env,
                                stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
@@ -72,7 +76,8 @@ def serving(flags: list[str], costs: Optional[dict[str, float]] = None, command:
         deadline = time.monotonic() + start_timeout
         while True:
             try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                # ours, not another server that took the free port meanwhile (a real model loads for a minute)
+                if httpx.get(url + "/health", timeout=5).status_code == 200 and listens(process.pid, port):
                     break
             except httpx.TransportError:
                 pass
@@ -85,7 +90,25 @@ def serving(flags: list[str], costs: Optional[dict[str, float]] = None, command:
         if process.poll() is None:
             process.kill()
             process.wait()
-        log.close()
+        if owned:
+            log.close()
+
+
+def listens(pid: int, port: int) -> bool:
+    """The process listens on the TCP port (Linux: /proc; elsewhere, assumed)."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        table = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return True
+    sockets = set()
+    for fd in fds:
+        try:
+            sockets.add(os.readlink(fd))
+        except OSError:  # closed meanwhile
+            pass
+    return any(fields[1].endswith(f":{port:04X}") and fields[3] == "0A" and f"socket:[{fields[9]}]" in sockets
+               for fields in (line.split() for line in table))  # 0A: LISTEN
 
 
 def rss_mib(pid: int) -> dict[str, float]:

@@ -1,13 +1,14 @@
 """A load generator for the server: many concurrent streaming chat clients, each checking every
-answer it gets. Shared by the load test (tests/unit/test_server_load.py) and the soak measurement
-(scripts/soak_server.py).
+answer it gets. Shared by the load test (tests/unit/test_server_load.py) and the soaks
+(scripts/soak_server.py, scripts/soak_isolation.py).
 
 Each request is a streaming chat completion with `stream_options.include_usage`: greedy or seeded
 sampling, one of the speculative methods, one of several API keys. A 200 must be one well-formed
 stream — a role chunk, text chunks, exactly one finish_reason chunk, the usage chunk, one
 `[DONE]`, one id throughout — whose text and token count equal `expected(request)`; a 429 must be
 OpenAI-shaped `queue_full` with a Retry-After, which the client then waits out. Anything else is
-recorded as a failure. The generator records; the caller decides what to assert.
+recorded as a failure. The generator records; the caller decides what to assert. A request may
+also ask for one JSON answer (`stream=False`), checked for its text and usage alike.
 """
 from __future__ import annotations
 
@@ -35,11 +36,14 @@ class LoadRequest:
     seed: Optional[int] = None
     api_key: str = "key-0"
     disconnect_after: Optional[int] = None  # chunks read before the client hangs up on purpose
+    stream: bool = True  # False: one JSON answer
 
     def body(self, model: str) -> dict:
         body = {"model": model, "messages": [{"role": "user", "content": self.prompt}], "max_tokens": self.max_tokens,
-                "temperature": self.temperature, "stream": True, "stream_options": {"include_usage": True},
+                "temperature": self.temperature, "stream": self.stream,
                 "speculative_decoding": {"method": self.method}}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
         if self.seed is not None:
             body["seed"] = self.seed
             body["top_p"] = 0.95
@@ -64,7 +68,7 @@ class Outcome:
     completion_tokens: int = 0
     choices: dict = field(default_factory=dict)  # what the speculative method proposed
     retry_after: float = 0.0  # seconds, from a 429's Retry-After
-    text: str = ""  # of a whole stream
+    text: str = ""  # of a whole answer
 
 
 def make_request(rng: random.Random, api_keys: int = 8, disconnect_rate: float = 0.0,
@@ -128,6 +132,11 @@ async def send(client: httpx.AsyncClient, url: str, model: str, request: LoadReq
                 if outcome.problem is None:
                     outcome.retry_after = float(response.headers["retry-after"])
                 return outcome
+            if not request.stream:
+                await response.aread()
+                outcome.latency = time.monotonic() - started
+                outcome.problem = _answer_problem(response, request, expected, outcome)
+                return outcome
             lines = []
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
@@ -160,6 +169,18 @@ def _refusal_problem(response: httpx.Response) -> Optional[str]:
     return None
 
 
+def _answer_problem(response: httpx.Response, request: LoadRequest,
+                    expected: Optional[Callable[[LoadRequest], Expected]], outcome: Outcome) -> Optional[str]:
+    """What is wrong with a 200 that is not streamed (None: nothing)."""
+    try:
+        answer = response.json()
+        choice, usage = answer["choices"][0], answer["usage"]
+        text, finish = choice["message"]["content"] or "", choice["finish_reason"]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        return f"a malformed answer ({exc!r}): {response.text[:200]}"
+    return _text_problem(text, usage, finish, request, expected, outcome)
+
+
 def _stream_problem(lines: list[str], request: LoadRequest,
                     expected: Optional[Callable[[LoadRequest], Expected]], outcome: Outcome) -> Optional[str]:
     if not lines or lines[-1] != "[DONE]" or lines.count("[DONE]") != 1:
@@ -177,17 +198,23 @@ def _stream_problem(lines: list[str], request: LoadRequest,
     finals = [c["choices"][0]["finish_reason"] for c in chunks[:-1] if c["choices"][0]["finish_reason"]]
     if len(finals) != 1 or chunks[-2]["choices"][0]["finish_reason"] is None:
         return f"{len(finals)} finish_reason chunks"
-    usage = usage_chunk["usage"]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
+    return _text_problem(text, usage_chunk["usage"], finals[0], request, expected, outcome)
+
+
+def _text_problem(text: str, usage: dict, finish: str, request: LoadRequest,
+                  expected: Optional[Callable[[LoadRequest], Expected]], outcome: Outcome) -> Optional[str]:
+    """Records a well-formed answer's text and usage; what is wrong with them against `expected`."""
     outcome.completion_tokens = usage["completion_tokens"]
-    outcome.choices = usage["speculative"].get("choices", {})
-    outcome.text = text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
+    outcome.choices = (usage.get("speculative") or {}).get("choices", {})
+    outcome.text = text
     if expected is None or (request.temperature > 0 and used_the_draft_model(outcome.choices)):
         return None  # well formed; a sampled text drafted by the model is a sample, not a fixed text
     want = expected(request)
     if text != want.text:
         return f"wrong text: {text!r} != {want.text!r}"
-    if usage["completion_tokens"] != want.completion_tokens or finals[0] != want.finish_reason:
-        return f"wrong usage or finish: {usage['completion_tokens']}, {finals[0]} != {want}"
+    if usage["completion_tokens"] != want.completion_tokens or finish != want.finish_reason:
+        return f"wrong usage or finish: {usage['completion_tokens']}, {finish} != {want}"
     return None
 
 

@@ -103,6 +103,9 @@ def test_non_streaming_disconnect_cancels_too():
             httpx.post(url + "/v1/completions", json=body(max_tokens=2000), timeout=0.3)
         wait_until(lambda: scheduler.num_running == 0, timeout=5)
         assert metric(url, 'specdec:request_success_total{finished_reason="abort"') == 1
+        # and its handler ends: one left waiting would hold the engine of its generation (never
+        # closed after a build switch) and a place under --limit-concurrency, for good
+        wait_until(lambda: scheduler.users.done_with(scheduler.users.generation), timeout=5)
 
 
 def test_time_limit_cuts_the_generation():

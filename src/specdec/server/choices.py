@@ -16,7 +16,7 @@ from specdec.server.protocol import (
     ChatTokenLogprob, ChoiceLogprobs, PromptTokensDetails, TextLogprobs, TopLogprob, Usage,
 )
 from specdec.server.errors import RawJSON, json_text
-from specdec.server.tickets import Item, Ticket, is_final
+from specdec.server.tickets import CLIENT_GONE, Failed, Item, Ticket, is_final
 from specdec.types import TokenLogprob
 
 TokenBytes = Callable[[int], bytes]
@@ -159,11 +159,13 @@ class TicketMerge:
                 return
 
     def cancel(self) -> None:
-        """Cancel every choice (a no-op for those finished) and stop reading."""
+        """Cancel every choice (a no-op for those finished) and stop reading: a reader still waiting
+        in `next()` (an answer not streamed, its client gone) gets the client's going as a failure."""
         for ticket in self.tickets:
             ticket.cancel()
         for pump in self._pumps:
             pump.cancel()
+        self._queue.put_nowait((0, Failed(CLIENT_GONE)))
 
 
 def usage_of(stats: Sequence[dict]) -> Usage:
