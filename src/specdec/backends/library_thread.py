@@ -7,12 +7,15 @@ the hundreds per forward: decoding ran at 0.6x (the server, which calibrated on 
 decoded on another) or worse (docs/notebook.md, the Zen 5 entry, "The server's tax"). Routing loading,
 decoding and freeing through this thread keeps one pool whatever thread the caller is on; a
 call costs one hand-over (tens of microseconds) against a forward's tens of milliseconds.
+A build loaded beside the serving one (server/upgrade.py) gets a thread of its own for the time
+both are open; a thread ends once the last backend calling through it is closed.
 """
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable, Optional, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -20,7 +23,8 @@ T = TypeVar("T")
 class LibraryThread:
     def __init__(self, name: str = "specdec-llama"):
         self._name = name
-        self._jobs: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._jobs: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()  # None: end if unused
+        self._users = 0  # backends loaded that call through it
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
 
@@ -28,27 +32,44 @@ class LibraryThread:
         """function(*args) on the library thread; its result, or its exception re-raised here."""
         if threading.current_thread() is self._thread:
             return function(*args)
-        self._ensure_started()
         done = threading.Event()
         outcome: list = []
-        self._jobs.put((function, args, done, outcome))
+        with self._start_lock:  # against the thread's ending (_serve): a job never waits for none
+            if self._thread is None:
+                # A daemon: a library call that never returns (a stalled backend) must not keep
+                # the process from exiting.
+                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+                self._thread.start()
+            self._jobs.put((function, args, done, outcome))
         done.wait()
         ok, value = outcome[0]
         if ok:
             return value
         raise value
 
-    def _ensure_started(self) -> None:
+    def attach(self) -> None:
+        """A backend that calls through this thread was loaded."""
         with self._start_lock:
-            if self._thread is None:
-                # A daemon: a library call that never returns (a stalled backend) must not keep
-                # the process from exiting.
-                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
-                self._thread.start()
+            self._users += 1
+
+    def detach(self) -> None:
+        """A backend was closed; with none left the thread ends, and its OpenMP pool with it (a
+        later call starts it again)."""
+        with self._start_lock:
+            self._users -= 1
+            if self._users <= 0 and self._thread is not None:
+                self._jobs.put(None)
 
     def _serve(self) -> None:
         while True:
-            function, args, done, outcome = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                with self._start_lock:
+                    if self._users <= 0 and self._jobs.empty():
+                        self._thread = None
+                        return
+                continue
+            function, args, done, outcome = job
             try:
                 outcome.append((True, function(*args)))
             except BaseException as exc:  # handed to the caller, who raises it
@@ -57,4 +78,24 @@ class LibraryThread:
                 done.set()
 
 
-library_thread = LibraryThread()  # the process's one
+library_thread = LibraryThread()  # the process's one, but for a build loaded beside it (below)
+_loading = threading.local()
+
+
+def for_new_backend() -> LibraryThread:
+    """The thread a backend loaded now on this thread calls through: the process's one, or the one
+    `own_library_thread` gave this thread."""
+    return getattr(_loading, "library", None) or library_thread
+
+
+@contextmanager
+def own_library_thread(name: str) -> Iterator[LibraryThread]:
+    """Backends loaded on this thread meanwhile call through a library thread of their own: a build
+    loaded beside a serving one (server/upgrade.py) must not hold the serving engine's thread for
+    the whole load, and once the old engine is closed its thread ends, so that one OpenMP pool is
+    left again."""
+    _loading.library = LibraryThread(name)
+    try:
+        yield _loading.library
+    finally:
+        _loading.library = None

@@ -21,7 +21,7 @@ from specdec.backends.bindings.base import ContextOptions, LlamaBinding
 from specdec.backends.cell_blocks import CellBlocks
 from specdec.backends.chat_template import render_chat_template
 from specdec.backends.decode_plan import plan_calls
-from specdec.backends.library_thread import library_thread
+from specdec.backends.library_thread import for_new_backend
 from specdec.types import SpecdecError
 
 if TYPE_CHECKING:
@@ -73,7 +73,10 @@ class LlamaFamilyBackend(Backend):
         self._model = None
         self._batch_capacity = max(n_batch, MIN_BATCH_CAPACITY)
         # Loading (repacking runs the kernels' threads) on the thread that will decode
-        library_thread.call(self._load, path, n_ctx, n_batch, repack or proposals_only)
+        self._library = for_new_backend()
+        self._library.attach()
+        self._detached = False
+        self._library.call(self._load, path, n_ctx, n_batch, repack or proposals_only)
         self._vocab = binding.vocab(self._vocab_model or self._model)
         self.vocab_size = binding.n_vocab(self._vocab)
         self._logits_width = len(vocabulary.token_ids) if vocabulary else self.vocab_size
@@ -192,7 +195,7 @@ class LlamaFamilyBackend(Backend):
             self._context_of(seq_id)
             if start + len(tokens) > self.n_ctx:
                 raise SpecdecError(f"the sequence would exceed the context of {self.n_ctx} tokens.")
-        return library_thread.call(self._eval_many, requests, prefill)
+        return self._library.call(self._eval_many, requests, prefill)
 
     def _eval_many(self, requests: Sequence[tuple[int, int, Sequence[int]]], prefill: bool) -> list[np.ndarray]:
         outputs: list[list[np.ndarray]] = [[] for _ in requests]
@@ -242,22 +245,22 @@ class LlamaFamilyBackend(Backend):
         if not self.rules.cell_ranges or end <= 0:
             return True
         # A padded call writes up to min_rows - 1 cells past a sequence's last position.
-        return library_thread.call(self._cell_blocks.room, self._context_of(seq_id)[1], end + self.rules.min_rows - 1)
+        return self._library.call(self._cell_blocks.room, self._context_of(seq_id)[1], end + self.rules.min_rows - 1)
 
     def room_to_hold(self, seq_id: int, source_seq: int, length: int, end: int) -> bool:
         if not self.rules.cell_ranges or end <= 0:
             return True
         (_, local_id), (_, source) = self._context_of(seq_id), self._context_of(source_seq)
-        return library_thread.call(self._cell_blocks.room_to_hold, local_id, source, length, end + self.rules.min_rows - 1)
+        return self._library.call(self._cell_blocks.room_to_hold, local_id, source, length, end + self.rules.min_rows - 1)
 
     def reserve(self, seq_id: int, end: int) -> None:
         if self.rules.cell_ranges and end > 0:
             local_id = self._context_of(seq_id)[1]
-            library_thread.call(self._cell_blocks.cells, local_id, [end - 1])  # takes the blocks up to `end`
+            self._library.call(self._cell_blocks.cells, local_id, [end - 1])  # takes the blocks up to `end`
 
     def truncate(self, seq_id: int, length: int) -> None:
         ctx, local_id = self._context_of(seq_id)
-        library_thread.call(self._truncate, ctx, local_id, length)
+        self._library.call(self._truncate, ctx, local_id, length)
 
     def _truncate(self, ctx, local_id: int, length: int) -> None:
         if self.rules.cell_ranges and self._cell_blocks.keepable(local_id, length) != length:
@@ -274,7 +277,7 @@ class LlamaFamilyBackend(Backend):
     def share_prefix(self, source_seq: int, seq_id: int, length: int) -> None:
         if not self.prefix_share_block:
             super().share_prefix(source_seq, seq_id, length)
-        library_thread.call(self._share_prefix, source_seq, seq_id, length)
+        self._library.call(self._share_prefix, source_seq, seq_id, length)
 
     def _share_prefix(self, source_seq: int, seq_id: int, length: int) -> None:
         (ctx, source), (_, local_id) = self._context_of(source_seq), self._context_of(seq_id)
@@ -306,7 +309,13 @@ class LlamaFamilyBackend(Backend):
         }
 
     def close(self) -> None:
-        library_thread.call(self._close)
+        if self._detached:
+            return  # closed already
+        self._detached = True
+        try:
+            self._library.call(self._close)
+        finally:
+            self._library.detach()
 
     def _close(self) -> None:
         binding = self._binding

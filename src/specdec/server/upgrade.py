@@ -5,7 +5,10 @@ scripts/install.sh builds specdec's patched build in the background; `$SPECDEC_H
 ik-pending` names the build's folder. The watcher looks every few seconds; once the build is
 complete (its wheel and its unpacked library are there) and this CPU runs it, the watcher's own
 thread loads the new engine from the unpacked library (the old one stays open beside it: a
-library cannot be reloaded under the same path) while the old engine keeps serving; it then hands
+library cannot be reloaded under the same path) while the old engine keeps serving: the new
+engine's calls go through a library thread of its own, so the load (tens of seconds) never holds
+the thread the serving engine's forwards need, and the old thread ends with the old engine, so one
+OpenMP pool is left (backends/library_thread.py); it then hands
 it to the scheduler, whose worker measures the new build's costs a pair of forwards between two
 rounds (measured on another thread beside the busy old engine, the two builds' threads would share
 the cores and make both the figures and the serving wrong), then gives new requests to it while
@@ -24,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
+from specdec.backends.library_thread import own_library_thread
 from specdec.engine.engine import Engine
 from specdec.models.registry import specdec_home
 
@@ -95,7 +99,8 @@ def upgraded_engine(engine: Engine, library: Path) -> Engine:
     assert models is not None  # a provisional engine (watch_for_build), which runtime.load_engine loaded
     if models.backend_by_rule:
         models = models.with_backend(replace(models.backend, repacked=True))
-    new = load_engine(models, n_slots=len(engine.slots), engine=engine.config)
+    with own_library_thread("specdec-llama-new"):  # the serving engine's library thread is not held
+        new = load_engine(models, n_slots=len(engine.slots), engine=engine.config)
     logger.info("specdec's ik_llama.cpp build loaded (%s) beside the serving engine", models.backend.label)
     return new
 
