@@ -31,7 +31,8 @@ answers lost or wrong, /health's slowest answer and failures (asked from a proce
 RSS at start, peak, end and once the old engine should be closed, when each step of the switch
 happened, requests completed before and after it, and the libraries the server has mapped at the
 end. Exit status 0 only if nothing failed and the switch came while the normal traffic ran, with
-answers from both builds (the server switches only at a moment when nothing runs: upgrade.py).
+answers from both builds (the server switches between two rounds, running requests finishing
+on the old engine: upgrade.py).
 """
 from __future__ import annotations
 
