@@ -257,11 +257,12 @@ def hostile_rounds(url: str, port: int, args, deadline: float, rounds: list[dict
     """The hostile attacks until the deadline, with the hostile tenant's key and without a key in turn."""
     while time.monotonic() < deadline:
         key = KEYS[HOSTILE] if len(rounds) % 2 == 0 else None
+        spans: dict = {}
         try:
-            results = attacks(url, port, args.write_timeout, MODEL, key)
+            results = attacks(url, port, args.write_timeout, MODEL, key, spans)
         except Exception as exc:  # a transport error mid-round (the server gone?): recorded, not raised
             results = {"round failed": f"{type(exc).__name__}: {exc}"}
-        rounds.append({"tenant": HOSTILE if key else "unauthenticated", "results": results})
+        rounds.append({"tenant": HOSTILE if key else "unauthenticated", "results": results, "spans": spans})
 
 
 async def quiet_run(url: str, max_tokens: int) -> list[str]:
@@ -383,6 +384,13 @@ def judge_hostile(rounds: list[dict]) -> dict:
             "stalled_reader_closed_after_s": [min(closed_after), max(closed_after)] if closed_after else None}
 
 
+def attacks_at(rounds: list[dict], when: float) -> list[str]:
+    """The hostile attacks running at `when` (time.time()), or within the 1 s before it (the
+    health check that failed began then)."""
+    return [name for entry in rounds for name, (start, end) in entry.get("spans", {}).items()
+            if start <= when and end >= when - 1.0]
+
+
 @dataclass
 class Measured:
     """What one run saw, before it is judged."""
@@ -475,7 +483,8 @@ def build_report(args, run: Measured) -> dict:
         "hostile": judge_hostile(run.rounds),
         "health": {"checks": run.health["checks"], "failures": run.health["failures"],
                    "slowest_s": round(run.health["slowest"], 3),
-                   "failed_at_s": [since_start(when) for when in run.health["failed_at"]][:20]},
+                   "failed_at_s": [since_start(when) for when in run.health["failed_at"]][:20],
+                   "attacks_then": [attacks_at(run.rounds, when) for when in run.health["failed_at"]][:20]},
         "rss_mib": {**{key: round(value, 1) for key, value in run.rss.items()},
                     "by_minute": [round(mib, 1) for _, mib in run.rss_samples[::60]]},
         "server_counted_5xx": {route: n for route, counts in run.statuses.items()
