@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -239,6 +240,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.cost_model is None:
             measure_cost_model(cost_path)
         write_meta(args, trees, cost_path)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # killed, it still stops its servers
         asyncio.run(run(args, trees, cost_path))
     report = summarize(args.out / "records.jsonl", args.disturbed)
     (args.out / "report.md").write_text("\n".join(report) + "\n")
