@@ -458,25 +458,48 @@ def test_a_draft_forward_costs_its_step_on_the_targets_curve():
 
 
 class PrefillRecordingDrafter(StubModelDrafter):
-    def __init__(self):
+    """A draft model whose cache holds the first `held` tokens of any context until it processes a
+    prompt; records what it processed."""
+
+    def __init__(self, held=0):
         super().__init__()
-        self.began = []
+        self.held = held
+        self.prefilled = []
 
-    def begin(self, prompt, history=None):
-        self.began.append(tuple(prompt))
+    def lag(self, context):
+        return len(context) - 1 - min(self.held, len(context) - 1)
+
+    def prefill(self, prompt_prefix):
+        self.prefilled.append(tuple(prompt_prefix))
+        self.held = len(prompt_prefix)
 
 
-def test_a_short_prompt_is_processed_on_the_draft_model_with_the_targets_a_long_one_lazily():
+def first_two_rounds(drafter, model, prompt):
+    """What the draft model processed by the round of the first token, and by the next round's."""
+    drafter.begin(prompt)
+    first = drafter.propose(prompt, 4, GREEDY, None)
+    assert first.draft_tokens == () and model.calls == []  # the first token waits for no drafting
+    by_first = list(model.prefilled)
+    drafter.observe(first, 0, None)
+    drafter.propose([*prompt, 5], 4, GREEDY, None)
+    return by_first, list(model.prefilled)
+
+
+def test_a_short_prompt_is_processed_on_the_draft_model_after_the_first_token_a_long_one_lazily():
     """12 target steps of 50 ms = 600 ms: at 5 ms a token the draft processes a 100-token prompt
-    before the first token; a 200-token one (1 s) waits for the draft's first proposal, and a draft
-    model that cannot pay at all (a 60 ms step) processes nothing."""
-    for prompt_tokens, draft_step, eager in ((100, 0.005, True), (200, 0.005, False), (100, 0.060, False)):
-        model = PrefillRecordingDrafter()
+    right after the first token; a 200-token one (1 s) waits for the draft's first proposal, and a
+    draft model that cannot pay at all (a 60 ms step) processes nothing. What the draft's cache
+    kept of an earlier turn counts out: 200 tokens of which it holds 150 are 50 to process; a lag
+    a proposal's first forward takes along (here 10) is left to it."""
+    for prompt_tokens, held, draft_step, eager in ((100, 0, 0.005, True), (200, 0, 0.005, False),
+                                                   (100, 0, 0.060, False), (200, 150, 0.005, True),
+                                                   (200, 190, 0.005, False)):
+        model = PrefillRecordingDrafter(held)
         cost = CostModel({n: 0.050 * (1 + 0.02 * (n - 1)) for n in range(1, 9)}, draft_step, 0.005)
-        drafter = AutoDrafter(cost, model)
         prompt = list(range(prompt_tokens))
-        drafter.begin(prompt)
-        assert model.began == ([tuple(prompt)] if eager else []), (prompt_tokens, draft_step)
+        by_first, by_second = first_two_rounds(AutoDrafter(cost, model), model, prompt)
+        assert by_first == [], (prompt_tokens, held, draft_step)
+        assert by_second == ([tuple(prompt)] if eager else []), (prompt_tokens, held, draft_step)
 
 
 def test_the_draft_processes_no_prompt_where_it_pays_only_if_always_accepted():
@@ -489,8 +512,7 @@ def test_the_draft_processes_no_prompt_where_it_pays_only_if_always_accepted():
     config = PolicyConfig()
     assert drafter.draft_could_pay(config.eager_draft_k)  # (1 + 2) / (0.158 + 2 * 0.038) beats 1 / 0.085
     assert not drafter.draft_could_pay(config.eager_draft_k, config.draft_prior)
-    drafter.begin(list(range(60)))
-    assert model.began == []
+    assert first_two_rounds(drafter, model, list(range(60))) == ([], [])
 
 
 class SlowModelDrafter(StubModelDrafter):
@@ -541,3 +563,31 @@ def test_the_tunables_come_from_one_config_and_the_constructors_keywords_still_s
                                                                                 catch_up_horizon=4)
     with pytest.raises(ValueError):
         PolicyConfig(draft_scale_range=(2.0, 1.0))
+
+
+def test_the_first_token_waits_for_no_drafting():
+    """Issue 43: `auto`'s first token comes at `off`'s time. Between admission and the first token
+    the draft model runs no forward (its prompt is processed after it) and the first round
+    verifies the pending token alone, as `off`'s does; the draft catches up and drafts afterwards,
+    and the text is `off`'s."""
+    clock = FakeClock()
+    target = FakeBackend(seed=7, clock=clock, step_cost=0.050, token_cost=0.0005)
+    draft = FakeBackend(seed=7, noise=0.3, clock=clock, step_cost=0.002)
+    engine = Engine(target, draft, clock=clock)
+    engine.calibrate()
+    ids = tuple(engine.encode_prompt("the cat sat on the mat", chat=True))
+    plain = engine.generate(GenerationRequest(ids, 40, spec=SpecConfig("off", 0)))
+    engine.reset_cross_request_state()
+    engine.clear_cache()
+    draft.eval_calls.clear()
+    target.eval_calls.clear()
+    events = engine.stream(GenerationRequest(ids, 40, spec=SpecConfig("auto", 6)))
+    first = next(events)
+    assert first.token_ids == plain.token_ids[:1]
+    assert draft.eval_calls == []  # nothing on the draft model before the first token
+    assert target.eval_calls[-1] == (0, 1)  # the first round: the pending token alone
+    events = [first, *events]
+    assert [t for event in events for t in event.token_ids] == plain.token_ids
+    stats = events[-1].stats
+    assert stats["ttft_seconds"] == pytest.approx(plain.stats["ttft_seconds"])
+    assert draft.eval_calls and any(choice.startswith(("draft", "hybrid")) for choice in stats["choices"])

@@ -22,7 +22,7 @@ import numpy as np
 
 from specdec.drafters.base import Drafter
 from specdec.drafters.history import TenantHistory
-from specdec.drafters.model import ModelDrafter
+from specdec.drafters.model import MAX_JOINED_CATCH_UP, ModelDrafter
 from specdec.drafters.policy import planner
 from specdec.drafters.policy.config import MAX_MATCH, PolicyConfig
 from specdec.drafters.policy.estimates import (AcceptanceEstimate, ConfidenceCalibration, DraftTimeScale, Estimate,
@@ -100,9 +100,10 @@ class AutoDrafter(Drafter):
         self.confidence = ConfidenceCalibration(config.confidence_prior)
         self._round: Optional[_Round] = None
         self._context: Sequence[int] = ()
-        # A longer prompt waits for the draft's first proposal: a request that never drafts never pays for it.
-        if prompt and self.model_drafter is not None and self._draft_prompt_is_cheap(prompt):
-            self.model_drafter.begin(prompt)
+        # Nothing is drafted, indexed or looked up before the first token: it comes at plain
+        # decoding's time, and the draft processes the prompt after it (_catch_up).
+        self._prompt_length = len(prompt)
+        self._catch_up_due = bool(prompt) and self.model_drafter is not None
 
     def share_round(self, streams: int, tokens_left: Optional[int] = None) -> None:
         self.streams = max(1, streams)
@@ -142,18 +143,33 @@ class AutoDrafter(Drafter):
         return DraftLength.for_option(option, offers or {}, self.estimates, costs or self.round_costs(),
                                       self.confidence.value)
 
-    def _draft_prompt_is_cheap(self, prompt: Sequence[int]) -> bool:
-        """Whether the draft processes this prompt with the target's: only where it pays at its prior
-        acceptance (notebook, "the draft's prompt with the target's")."""
-        if not self.draft_could_pay(self.config.eager_draft_k, self.config.draft_prior):
-            return False
-        return self.cost.draft_prompt(len(prompt)) <= self.config.eager_draft_prompt_steps * self.cost.target(1)
+    def _catch_up(self, context: Sequence[int]) -> None:
+        """Once the first token is out: the draft processes what it lacks of the context (the prompt,
+        less what its cache kept of an earlier turn) now, where that takes at most
+        `eager_draft_prompt_steps` target steps and the draft pays at its prior acceptance
+        (notebook, "the draft's prompt with the target's"). A longer backlog (a document) waits for
+        the draft's first proposal, whose price spreads it over the rounds to come
+        (RoundCosts.draft): a request that never drafts never pays for it. A backlog a proposal's
+        first forward takes along (MAX_JOINED_CATCH_UP) is left to it."""
+        assert self.model_drafter is not None  # due only with one
+        lag = self.model_drafter.lag(context)
+        if lag <= MAX_JOINED_CATCH_UP or not self.draft_could_pay(self.config.eager_draft_k, self.config.draft_prior):
+            return
+        if self.cost.draft_prompt(lag) <= self.config.eager_draft_prompt_steps * self.cost.target(1):
+            self.model_drafter.prefill(context[:-1])
 
     def _draft_lag(self) -> int:
         return self.model_drafter.lag(self._context) if self.model_drafter is not None else 0
 
     # -- rounds ----------------------------------------------------------------------------------
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator, guide=None) -> Proposal:
+        if len(context) <= self._prompt_length:
+            # The round of the first token verifies the pending token alone, as plain decoding's: the
+            # first token waits for no drafting, indexing or lookup (issue 43).
+            return Proposal((), None, "off")
+        if self._catch_up_due:
+            self._catch_up_due = False
+            self._catch_up(context)
         self._context = context
         self._learn_from_shadows(context)
         self.context_index.track(context)

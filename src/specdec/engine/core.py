@@ -380,9 +380,6 @@ class EngineCore:
 
     def _start(self, active: _Active) -> list[Item]:
         generation = active.admitted
-        # Whether a draft model may pay (and is worth its prompt now) depends on the company it will
-        # have: every request holding a slot, started or still processing its prompt.
-        generation.drafter.share_round(len(self._active))
         generation.start(started_at=active.added_at)
         active.started = True
         items: list[Item] = [Started(len(active.request.prompt_token_ids), generation.cached_prompt_tokens,

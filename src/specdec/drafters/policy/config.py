@@ -31,9 +31,10 @@ class PolicyConfig:
     draft_scale_window: int = 9
     draft_scale_prior: int = 4
     draft_scale_range: tuple[float, float] = (0.5, 3.0)
-    # A prompt the draft processes within this many target steps is processed with the target's,
-    # when the draft pays at its prior over proposals of up to `eager_draft_k` tokens; a longer one
-    # waits for the draft's first proposal (notebook, "the draft's prompt with the target's").
+    # A prompt the draft processes within this many target steps is processed right after the first
+    # token (never before it: issue 43), when the draft pays at its prior over proposals of up to
+    # `eager_draft_k` tokens; a longer one waits for the draft's first proposal (notebook, "the
+    # draft's prompt with the target's").
     eager_draft_prompt_steps: float = 12.0
     eager_draft_k: int = 4
     # The draft's confidence calibration (accepted / confidence) starts at this many accepted
