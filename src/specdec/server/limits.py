@@ -18,11 +18,12 @@ import time
 from typing import Callable, Optional, TypeVar
 
 import anyio
-import anyio.to_thread
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
 from specdec.server.errors import APIError, HTTPAPIError, error_response
+from specdec.server.offload import off_loop
+from specdec.server.tenants import tenant_of_scope
 
 # Bodies above this are decoded in a worker thread; smaller ones decode faster than a thread hop.
 OFF_LOOP_JSON_BYTES = 64 << 10
@@ -96,17 +97,17 @@ class BodyLimitMiddleware:
             await error_response(exc.error, scope.get("path"))(scope, receive, send)
 
 
-async def off_loop_if_large(function: Callable[[bytes], T], body: bytes) -> T:
+async def off_loop_if_large(function: Callable[[bytes], T], body: bytes, tenant=None) -> T:
     """function(body), in a worker thread when the body is over OFF_LOOP_JSON_BYTES."""
     if len(body) > OFF_LOOP_JSON_BYTES:
-        return await anyio.to_thread.run_sync(function, body)
+        return await off_loop(function, body, tenant=tenant)
     return function(body)
 
 
 class OffLoopJSONRequest(Request):
     async def json(self):
         if not hasattr(self, "_json"):
-            self._json = await off_loop_if_large(json.loads, await self.body())
+            self._json = await off_loop_if_large(json.loads, await self.body(), tenant_of_scope(self.scope))
         return self._json
 
 

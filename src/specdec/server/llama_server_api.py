@@ -25,13 +25,13 @@ import json
 from typing import Annotated, Any, Callable, Optional, Sequence, TypeVar, Union
 
 import anyio
-import anyio.to_thread
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 import specdec
 from specdec.backends.base import Backend
+from specdec.server import offload
 from specdec.server.convert import DEFAULT_TEMPERATURE
 from specdec.server.errors import APIError, bad_request, json_response, register_field_names
 from specdec.server.limits import OffLoopJSONRoute, prompt_byte_limit
@@ -244,7 +244,7 @@ async def off_loop(config, function: Callable[..., T], *args) -> T:
     not hold the request forever)."""
     try:
         with anyio.fail_after(config.request_timeout):
-            return await anyio.to_thread.run_sync(lambda: function(*args), abandon_on_cancel=True)
+            return await offload.off_loop(function, *args, abandon_on_cancel=True)
     except TimeoutError:
         raise APIError(503, f"the request took longer than the server's time limit of {config.request_timeout:g}s; "
                             "retry later.", "server_error", None, "timeout",

@@ -40,7 +40,9 @@ from specdec.server.protocol import (
 from specdec.server.serving import (
     Collected, finish_reason_of, ignored_fields, respond, state_of, submit, tenant_of,
 )
+from specdec.server.offload import off_loop
 from specdec.server.sse import sse_event
+from specdec.server.tenants import tenant_of_scope
 from specdec.server.tickets import Started
 from specdec.server.tools import calls_finish_reason, tool_names
 from specdec.server.turns import Block, Closed, Grew, Opened, Turn, stop_sequence_of
@@ -372,12 +374,10 @@ async def create_message(request: Request, body: MessagesRequest) -> Response:
 
 async def count_tokens(request: Request, body: CountTokensRequest) -> Response:
     """POST /v1/messages/count_tokens: the prompt's tokens as this model's template makes them."""
-    import anyio.to_thread
-
     state = state_of(request)
     check_model(body.model, state.config)
     chat = chat_request(body)
     engine = state.engine
     check_prompt_size(engine, state.config, chat)
-    ids = await anyio.to_thread.run_sync(encode_prompt, engine, chat)
+    ids = await off_loop(encode_prompt, engine, chat, tenant=tenant_of_scope(request.scope))
     return json_response({"input_tokens": len(ids)})

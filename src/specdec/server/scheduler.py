@@ -75,6 +75,7 @@ class Scheduler:
         self.clock = clock
         self._cond = threading.Condition()
         self._waiting: deque[Ticket] = deque()
+        self._reserved = 0  # queue places held by requests still being prepared (reserve())
         self._running: dict[tuple[core.EngineCore, int], _Running] = {}  # (core, its handle) -> its request
         self._draining = False
         self._stopping = False
@@ -146,20 +147,34 @@ class Scheduler:
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Ticket:
         return self.submit_many([request], loop)[0]
 
-    def submit_many(self, requests: list[GenerationRequest], loop: asyncio.AbstractEventLoop) -> list[Ticket]:
+    def submit_many(self, requests: list[GenerationRequest], loop: asyncio.AbstractEventLoop,
+                    reserved: int = 0) -> list[Ticket]:
         """Queue the requests (one per choice of an `n` > 1 request) together or none of them: the
-        queue's bound counts each."""
+        queue's bound counts each. `reserved`: the places reserve() held for them, given back now."""
         now = self.clock()
         tickets = [Ticket(request, loop, now, now + self.config.request_timeout, self._wake) for request in requests]
         with self._cond:
+            self._reserved -= reserved
             self._check_accepting(len(tickets))
             self._waiting.extend(tickets)
             self._cond.notify()
         return tickets
 
+    def reserve(self, count: int = 1) -> None:
+        """Hold `count` places in the queue while a request is prepared (its prompt encoded), or
+        raise Refused or QueueFull if it would be refused now: fifty requests sent at once are
+        not all encoded when the queue takes a few of them. Given back by submit_many(reserved=)
+        or unreserve()."""
+        with self._cond:
+            self._check_accepting(count)
+            self._reserved += count
+
+    def unreserve(self, count: int) -> None:
+        with self._cond:
+            self._reserved -= count
+
     def check_accepting(self, count: int = 1) -> None:
-        """Raise Refused or QueueFull if a new request of `count` choices would be refused now
-        (checked before a prompt is encoded, and again when it is submitted)."""
+        """Raise Refused or QueueFull if a new request of `count` choices would be refused now."""
         with self._cond:
             self._check_accepting(count)
 
@@ -168,7 +183,8 @@ class Scheduler:
             raise Refused(stalled_error(self._stalled))
         if self._draining or self._stopping:
             raise Refused(not_accepting_error())
-        if len(self._waiting) + count > self.config.max_queue + max(0, self.n_slots - len(self._running)):
+        queued = len(self._waiting) + self._reserved
+        if queued + count > self.config.max_queue + max(0, self.n_slots - len(self._running)):
             raise QueueFull()
 
     def begin_drain(self) -> None:

@@ -17,7 +17,6 @@ from urllib.parse import quote
 from typing import AsyncIterator, Awaitable, Callable, Literal, Optional, Protocol, Sequence, Union, cast
 
 import anyio
-import anyio.to_thread
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import Response
@@ -31,6 +30,7 @@ from specdec.server.errors import APIError, json_response
 from specdec.server.metrics import ServerMetrics
 from specdec.server.scheduler import Scheduler
 from specdec.server.sse import EventStreamResponse
+from specdec.server.offload import off_loop
 from specdec.server.tenants import tenant_of_scope
 from specdec.server.tickets import Failed, Item, QueueFull, Refused, Started, queue_timeout_error
 from specdec.types import GenerationRequest, StreamEvent
@@ -113,13 +113,20 @@ async def submit(request: Request, count: int, prepare: Callable[[Engine], list[
     state = state_of(request)
     config = state.config
     try:
-        state.scheduler.check_accepting(count)  # before encoding a prompt nobody will generate from
-        engine = state.engine
-        if precheck is not None:
-            precheck(engine)
-        with anyio.fail_after(config.request_timeout):
-            requests = await anyio.to_thread.run_sync(prepare, engine, abandon_on_cancel=True)
-        tickets = state.scheduler.submit_many(requests, asyncio.get_running_loop())
+        state.scheduler.reserve(count)  # before encoding a prompt nobody will generate from
+        reserved = count
+        try:
+            engine = state.engine
+            if precheck is not None:
+                precheck(engine)
+            with anyio.fail_after(config.request_timeout):
+                requests = await off_loop(prepare, engine, tenant=tenant_of_scope(request.scope),
+                                          abandon_on_cancel=True)
+            held, reserved = reserved, 0  # submit_many gives the places back, whatever it raises
+            tickets = state.scheduler.submit_many(requests, asyncio.get_running_loop(), reserved=held)
+        finally:
+            if reserved:
+                state.scheduler.unreserve(reserved)
     except QueueFull:
         raise queue_full_error(config.retry_after) from None
     except Refused as refused:
@@ -193,7 +200,8 @@ async def respond(request: Request, merge: TicketMerge, *, stream: bool,
         results = await collect(merge, count, observe)
         # A big answer (n choices with logprobs: tens of MB of JSON) is built and encoded on a worker
         # thread, in short pieces (errors.json_bytes) that let the event loop run between them.
-        return await anyio.to_thread.run_sync(lambda: json_response(whole(results), headers=headers or None))
+        return await off_loop(lambda: json_response(whole(results), headers=headers or None),
+                              tenant=tenant_of_scope(request.scope))
     finally:
         if not streaming:
             watcher.cancel()
