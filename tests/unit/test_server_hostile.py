@@ -336,6 +336,35 @@ def test_a_stream_reader_that_stops_reading_is_cut_and_its_generation_cancelled(
         assert_healthy(url)
 
 
+def test_an_answer_left_unread_below_the_pause_mark_does_not_hold_its_connection():
+    """A reader that stops reading after its request: the answer (50 KB) fills the kernel's
+    buffers (8 KiB each side) and leaves the rest in uvicorn's, below the 64 KiB at which writing
+    pauses, so no write timer starts; the keep-alive close then waited for those bytes to be read,
+    forever (the same with `Connection: close`). Now they get `write_timeout`, then the connection
+    is aborted."""
+    for close in (False, True):
+        with slow_server(0.0, write_timeout=0.5, keep_alive_timeout=0.5, send_buffer=8192) as (url, app, server):
+            _send_and_never_read(url, app, server, close)
+            assert_healthy(url)
+
+
+def _send_and_never_read(url, app, server, close: bool) -> None:
+    body = json.dumps(chat_body(max_tokens=40, ignore_eos=True, speculative_decoding=False,
+                                logprobs=True, top_logprobs=20)).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    headers = ["Content-Type: application/json", f"Content-Length: {len(body)}", *(["Connection: close"] * close)]
+    try:
+        sock.connect(address(url))
+        sock.sendall(request_head("POST", "/v1/chat/completions", headers) + body)
+        scheduler = app.state.specdec.scheduler
+        assert wait_for(lambda: scheduler.num_running == 0 and server.server_state.total_requests == 1, 10)
+        connections = server.server_state.connections
+        assert wait_for(lambda: not connections, 5), f"an unread answer's connection stayed open (close: {close})"
+    finally:
+        sock.close()
+
+
 def test_a_queued_stream_gets_keepalive_comments():
     with slow_server(0.005, sse_keepalive=0.2) as (url, app, _):
         with httpx.Client(timeout=10) as first_client, httpx.Client(timeout=10) as second_client:

@@ -14,7 +14,8 @@ it: once the kernel's buffers and uvicorn's 64 KiB are full, writing pauses, and
 whose writing stays paused for `write_timeout` seconds is aborted (an EventStreamResponse ends its
 stream and generation at the same moment, sse.py; uvicorn's own `close()` of the connection would
 wait for the unread bytes to be read, forever, and the connection would count against
-the connection limit meanwhile).
+the connection limit meanwhile). An answer left unread below the pause mark gets the same time
+once the keep-alive timeout closes its connection, then the connection is aborted.
 
 The connection limit is the protocol's too (uvicorn's `limit_concurrency` would refuse /health
 with the rest): past `connection_limit` connections or requests at once, a request gets an OpenAI
@@ -91,6 +92,22 @@ class HeaderTimeoutProtocol(H11Protocol):
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.is_closing():  # `Connection: close`, or the response could not keep the connection
+            self._bound_close()
+
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()
+        self._bound_close()
+
+    def _bound_close(self) -> None:
+        """close() waits for the bytes still buffered to be sent; a reader that stopped reading with
+        less than the pause mark unread never paused writing, so no timer would end that wait."""
+        if (self.write_timeout is not None and self._write_timer is None
+                and self.transport.get_write_buffer_size()):
+            self._write_timer = self.loop.call_later(self.write_timeout, self._write_timed_out)
 
     def _write_timed_out(self) -> None:
         self._write_timer = None
