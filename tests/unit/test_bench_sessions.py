@@ -136,6 +136,24 @@ def test_a_failed_turn_ends_the_session():
     assert len(records) == 1 and records[0]["error"].startswith("JSONDecodeError")
 
 
+def test_a_request_on_a_connection_the_server_had_just_closed_is_sent_again_once():
+    """cpp-httplib closes an idle kept-alive connection as httpx reuses it: nothing was processed,
+    so the turn goes again (as the `openai` client retries); twice in a row ends the session."""
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) in (2, 4, 5):
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        return httpx.Response(200, content=_sse({"choices": [{"delta": {"content": "ok"}}]},
+                                                {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}))
+
+    records = _replay(handler, sessions.cycle_sessions(TEMPLATES, 1)[0])
+    assert len(calls) == 5  # turn 1, turn 2 twice, turn 3 twice
+    assert [r["error"] is None for r in records] == [True, True, False]
+    assert records[2]["error"].startswith("RemoteProtocolError")
+
+
 # -- a run against servers on the fake backend ----------------------------------------------------
 
 def _fake_server(slots: int):

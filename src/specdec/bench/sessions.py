@@ -57,6 +57,7 @@ BASELINE = "specdec:off"
 WARMUP = ({"role": "user", "content": "Say hello."},)
 PEER_SPEC = re.compile(r"^(plain|[a-z][a-z0-9-]*:k[1-9][0-9]*)$")
 DEFAULT_PEER_SPECS = "plain,ngram-mod:k16"
+CLIENT_KEEPALIVE_SECONDS = 2.0
 DEFAULT_CACHE_RAM_MIB = 8192
 PEER_CTX_FLOOR = 8192  # a session's context per llama-server slot: the longest shipped session fits
 
@@ -156,10 +157,7 @@ async def replay(client: httpx.AsyncClient, config: ServedConfig, session: Sessi
         async with slots:
             queued = time.perf_counter() - waiting
             started_at = time.time()
-            try:
-                measured = await _stream(client, config.url, body)
-            except (httpx.HTTPError, ValueError) as exc:  # ValueError: a stream line that is not JSON
-                measured = RequestRecord(error=f"{type(exc).__name__}: {exc}")
+            measured = await _stream_once_retried(client, config.url, body)
             measured = replace(measured, started_at=started_at, finished_at=time.time())
         records.append(session_record(config, session, index, measured, queued))
         if measured.error is not None:
@@ -168,11 +166,28 @@ async def replay(client: httpx.AsyncClient, config: ServedConfig, session: Sessi
     return records
 
 
+async def _stream_once_retried(client: httpx.AsyncClient, url: str, body: dict) -> RequestRecord:
+    """The turn's stream; sent again once where the server closed a kept-alive connection as the
+    request went out on it (nothing processed: llama-server's cpp-httplib closes idle ones after
+    5 s, httpx's default expiry), as the `openai` client retries; any other failure is the turn's."""
+    for attempt in (1, 2):
+        try:
+            return await _stream(client, url, body)
+        except httpx.RemoteProtocolError as exc:
+            if attempt == 2 or "without sending a response" not in str(exc):
+                return RequestRecord(error=f"{type(exc).__name__}: {exc}")
+        except (httpx.HTTPError, ValueError) as exc:  # ValueError: a stream line that is not JSON
+            return RequestRecord(error=f"{type(exc).__name__}: {exc}")
+    raise AssertionError("unreachable")
+
+
 async def run_level(config: ServedConfig, sessions: Sequence[Session], level: int, slots: int, max_tokens: int,
                     repeat: int = 0) -> list[dict]:
     """All sessions against one server: `level` open at once, at most `slots` requests in flight."""
     open_sessions, in_flight = asyncio.Semaphore(level), asyncio.Semaphore(slots)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as client:
+    # Idle connections dropped before a server drops them (uvicorn and cpp-httplib: 5 s).
+    limits = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_SECONDS)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
 
         async def one(session: Session) -> list[dict]:
             async with open_sessions:
