@@ -34,13 +34,13 @@ from specdec.server.convert import (
     chat_request_of, check_model, check_prompt_size, encode_prompt, generation_request,
 )
 from specdec.server.errors import APIError, anthropic_error_body, bad_request, json_response
+from specdec.server.offload import off_loop
 from specdec.server.protocol import (
     ChatCompletionRequest, MaxTokens, SpeculativeField, Stop, Temperature, TopK, TopP, _Strict,
 )
 from specdec.server.serving import (
     Collected, finish_reason_of, ignored_fields, respond, state_of, submit, tenant_of,
 )
-from specdec.server.offload import off_loop
 from specdec.server.sse import sse_event
 from specdec.server.tenants import tenant_of_scope
 from specdec.server.tickets import Started

@@ -173,11 +173,6 @@ class Scheduler:
         with self._cond:
             self._reserved -= count
 
-    def check_accepting(self, count: int = 1) -> None:
-        """Raise Refused or QueueFull if a new request of `count` choices would be refused now."""
-        with self._cond:
-            self._check_accepting(count)
-
     def _check_accepting(self, count: int = 1) -> None:
         if self._stalled is not None:
             raise Refused(stalled_error(self._stalled))
