@@ -152,6 +152,14 @@ def quartiles(values: list[float]) -> str:
             f"{values[0]:.3f}-{values[-1]:.3f}, n={n})")
 
 
+
+def ratio_summary(pairs) -> str:
+    """TTFT, decode tok/s and end-to-end time of the first of each pair over the second's."""
+    decode = [a["decode_tokens_per_second"] / b["decode_tokens_per_second"] for a, b in pairs
+              if a["decode_tokens_per_second"] and b["decode_tokens_per_second"]]
+    return (f"TTFT {quartiles([a['ttft'] / b['ttft'] for a, b in pairs])}; decode {quartiles(decode)}; "
+            f"end to end {quartiles([a['seconds'] / b['seconds'] for a, b in pairs])}")
+
 def summarize(path: Path, disturbed: float) -> list[str]:
     """The report: printed, and written beside the records as report.md."""
     lines: list[str] = []
@@ -179,9 +187,7 @@ def summarize(path: Path, disturbed: float) -> list[str]:
     for label in labels:
         pairs = [(g[f"{label}:auto"], g[f"{label}:off"]) for g in complete.values()]
         same = sum(auto["text"] == off["text"] for auto, off in pairs)
-        emit(f"- {label}: TTFT {quartiles([a['ttft'] / o['ttft'] for a, o in pairs])}; "
-              f"decode {quartiles([a['decode_tokens_per_second'] / o['decode_tokens_per_second'] for a, o in pairs if a['decode_tokens_per_second'] and o['decode_tokens_per_second']])}; "
-              f"end to end {quartiles([a['seconds'] / o['seconds'] for a, o in pairs])}; texts equal to off's {same}/{len(pairs)}")
+        emit(f"- {label}: {ratio_summary(pairs)}; texts equal to off's {same}/{len(pairs)}")
         for category in sorted({a["category"] for a, _ in pairs}):
             sub = [(a, o) for a, o in pairs if a["category"] == category]
             emit(f"  - {category}: TTFT {statistics.median(a['ttft'] / o['ttft'] for a, o in sub):.3f}, "
@@ -193,9 +199,7 @@ def summarize(path: Path, disturbed: float) -> list[str]:
         for method in METHODS:
             pairs = [(g[f"{label}:{method}"], g[f"{base}:{method}"]) for g in complete.values()]
             same = sum(new["text"] == old["text"] for new, old in pairs)
-            emit(f"- {method}: TTFT {quartiles([n['ttft'] / o['ttft'] for n, o in pairs])}; "
-                  f"decode {quartiles([n['decode_tokens_per_second'] / o['decode_tokens_per_second'] for n, o in pairs if n['decode_tokens_per_second'] and o['decode_tokens_per_second']])}; "
-                  f"end to end {quartiles([n['seconds'] / o['seconds'] for n, o in pairs])}; same texts {same}/{len(pairs)}")
+            emit(f"- {method}: {ratio_summary(pairs)}; same texts {same}/{len(pairs)}")
     emit(f"\nothers' cores per request: median {statistics.median(r['others_cores'] for g in complete.values() for r in g.values()):.3f}")
     return lines
 
