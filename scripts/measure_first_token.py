@@ -152,13 +152,13 @@ def quartiles(values: list[float]) -> str:
             f"{values[0]:.3f}-{values[-1]:.3f}, n={n})")
 
 
-
 def ratio_summary(pairs) -> str:
     """TTFT, decode tok/s and end-to-end time of the first of each pair over the second's."""
     decode = [a["decode_tokens_per_second"] / b["decode_tokens_per_second"] for a, b in pairs
               if a["decode_tokens_per_second"] and b["decode_tokens_per_second"]]
     return (f"TTFT {quartiles([a['ttft'] / b['ttft'] for a, b in pairs])}; decode {quartiles(decode)}; "
             f"end to end {quartiles([a['seconds'] / b['seconds'] for a, b in pairs])}")
+
 
 def summarize(path: Path, disturbed: float) -> list[str]:
     """The report: printed, and written beside the records as report.md."""
