@@ -21,11 +21,18 @@ GREEDY = SamplingParams()
 
 
 class StubModelDrafter:
-    """Stands in for a draft model: proposes `token` up to k times and records what it was asked."""
+    """Stands in for a draft model: proposes `token` up to k times and records what it was asked;
+    each proposal takes `seconds` (ModelDrafter.seconds)."""
+
+    seconds = 0.0
 
     def __init__(self, token=7):
         self.token = token
         self.calls = []
+
+    def propose_steps(self, context, k, sampling, rng, guide=None, *, prefix=(), keep_drafting=None):
+        yield from ()
+        return self.propose(context, k, sampling, rng, guide, prefix=prefix, keep_drafting=keep_drafting)
 
     def lag(self, context):
         return 0  # its cache always in step
@@ -138,15 +145,27 @@ def test_a_draft_models_serial_steps_are_charged_to_the_whole_shared_forward():
     assert drafter.plan({}, k=4).source == "off"
 
 
+def test_draft_forwards_shared_with_other_streams_are_priced_at_their_share():
+    # At two streams a draft model accepted 90 % of the time does not pay at 4 ms a step run
+    # alone; with its forwards shared by the other stream's proposal, each pays d(2) / 2 of a
+    # step, and it does.
+    drafter = drafter_with(zen5_costs(draft_step=0.004), ngram_rate=0.0, draft_rate=0.9)
+    drafter.share_round(2)
+    assert drafter.plan({}, k=4).source == "off"
+    drafter.share_round(2, draft_sharers=2)
+    assert drafter.plan({}, k=4).source == "draft"
+    assert drafter.round_costs().draft_step == pytest.approx(0.004 * 1.02 / 2)
+
+
 def share_rounds(n_requests, max_tokens, **request_options):
     """(streams, tokens_left) of every share_round call while the engine core runs `n_requests`
     requests at once on the fake backend, each slot's `auto` recording them."""
     seen = []
 
     class Recording(AutoDrafter):
-        def share_round(self, streams, tokens_left=None):
+        def share_round(self, streams, tokens_left=None, draft_sharers=1):
             seen.append((streams, tokens_left))
-            super().share_round(streams, tokens_left)
+            super().share_round(streams, tokens_left, draft_sharers)
 
     engine = Engine(FakeBackend(seed=3), n_slots=n_requests)
     for slot in engine.slots:

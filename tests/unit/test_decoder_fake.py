@@ -3,8 +3,10 @@ step after every round, stops honoured, text streamed in whole characters."""
 import pytest
 
 from specdec.backends.fake import FakeBackend
+from specdec.engine.core import Started
+from specdec.engine.decoder import Generation
 from specdec.engine.engine import Engine
-from specdec.types import GenerationRequest, SamplingParams, SpecConfig, SpecdecError
+from specdec.types import GenerationRequest, SamplingParams, SpecConfig, SpecdecError, StreamEvent
 
 
 def make_engine(noise=0.6, **target_kwargs):
@@ -73,6 +75,41 @@ def test_caches_in_step_after_every_round():
                 while common < min(len(draft_seq.tokens), len(gen.context)) and draft_seq.tokens[common] == gen.context[common]:
                     common += 1
                 assert len(draft_seq.tokens) - common <= 4
+
+
+def test_streams_drafting_with_the_model_share_each_draft_forward(monkeypatch):
+    """Three streams drafting with the draft model: each draft position is one draft-backend call
+    for all of them, not one per stream; later rounds are priced as sharing them three ways; every
+    text is the one the stream gives alone."""
+    engine = Engine(FakeBackend(seed=7), FakeBackend(seed=7, noise=0.3), n_slots=3)
+    prompts = PROMPTS[:3]
+    alone = [engine.generate(request(engine, prompt, "draft", k=4, max_tokens=30)).text for prompt in prompts]
+    engine.clear_cache()
+    calls, sharers = [], []
+    evaluate, plan_steps = engine.draft.eval_many, Generation.plan_steps
+
+    def recording_eval_many(requests, *, prefill=False):
+        if not prefill:
+            calls.append(len(requests))
+        return evaluate(requests, prefill=prefill)
+
+    def recording_plan_steps(generation, streams=1, draft_sharers=1):
+        sharers.append(draft_sharers)
+        return plan_steps(generation, streams, draft_sharers)
+
+    engine.draft.eval_many = recording_eval_many
+    monkeypatch.setattr(Generation, "plan_steps", recording_plan_steps)
+    core = engine.core
+    handles = [core.add(request(engine, prompt, "draft", k=4, max_tokens=30)) for prompt in prompts]
+    texts = {handle: "" for handle in handles}
+    while core.busy:
+        for handle, item in core.step():
+            assert isinstance(item, (Started, StreamEvent)), item
+            if isinstance(item, StreamEvent):
+                texts[handle] += item.text
+    assert [texts[handle] for handle in handles] == alone
+    assert max(calls) == 3 and sum(calls) > len(calls)  # one call held all three streams' forwards
+    assert sharers[:3] == [1, 1, 1] and 3 in sharers
 
 
 def test_max_tokens_and_length_finish():

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Drafter, DraftSteps, run_alone
 from specdec.drafters.history import TenantHistory
 from specdec.drafters.model import MAX_JOINED_CATCH_UP, ModelDrafter
 from specdec.drafters.policy import planner
@@ -78,6 +78,7 @@ class AutoDrafter(Drafter):
         self.context_index = SuffixIndex(self.config.max_match)
         self.streams = 1  # streams sharing the coming verification forward (share_round)
         self.tokens_left: Optional[int] = None  # at most this many more tokens (share_round)
+        self.draft_sharers = 1  # streams sharing a model proposal's draft forwards (share_round)
         self.begin(())
 
     @property
@@ -105,9 +106,10 @@ class AutoDrafter(Drafter):
         self._prompt_length = len(prompt)
         self._catch_up_due = bool(prompt) and self.model_drafter is not None
 
-    def share_round(self, streams: int, tokens_left: Optional[int] = None) -> None:
+    def share_round(self, streams: int, tokens_left: Optional[int] = None, draft_sharers: int = 1) -> None:
         self.streams = max(1, streams)
         self.tokens_left = tokens_left
+        self.draft_sharers = max(1, draft_sharers)
 
     # -- pricing and planning (drafters/policy/) -------------------------------------------------
     def round_costs(self, lag: int = 0) -> RoundCosts:
@@ -116,7 +118,8 @@ class AutoDrafter(Drafter):
         horizon = self.config.catch_up_horizon
         if self.tokens_left is not None:
             horizon = max(1, min(horizon, self.tokens_left))
-        return RoundCosts(self.cost, self.streams, self.model_drafter is not None, self.draft_time.value, lag, horizon)
+        return RoundCosts(self.cost, self.streams, self.model_drafter is not None, self.draft_time.value, lag, horizon,
+                          self.draft_sharers)
 
     def target_seconds(self, rows: int) -> float:
         """What a round of `rows` rows costs this stream (RoundCosts.target)."""
@@ -163,6 +166,10 @@ class AutoDrafter(Drafter):
 
     # -- rounds ----------------------------------------------------------------------------------
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator, guide=None) -> Proposal:
+        return run_alone(self.propose_steps(context, k, sampling, rng, guide), self.clock)
+
+    def propose_steps(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator,
+                      guide=None) -> DraftSteps:
         if len(context) <= self._prompt_length:
             # The round of the first token verifies the pending token alone, as plain decoding's: the
             # first token waits for no drafting, indexing or lookup (issue 43).
@@ -188,10 +195,9 @@ class AutoDrafter(Drafter):
             keep_drafting = self.draft_length(option, offers, costs)
             self._round = _Round(option, offers, keep_drafting.confidences)
             prefix = offers[option.prefix_source].tokens[:option.prefix_length] if option.prefix_length else ()
-            started = self.clock()
-            proposal = self.model_drafter.propose(context, option.length, sampling, rng, guide,
-                                                  prefix=prefix, keep_drafting=keep_drafting)
-            self.draft_time.observe(self.clock() - started, costs.draft_seconds(len(prefix), keep_drafting.forwards))
+            proposal = yield from self.model_drafter.propose_steps(context, option.length, sampling, rng, guide,
+                                                                   prefix=prefix, keep_drafting=keep_drafting)
+            self.draft_time.observe(self.model_drafter.seconds, costs.draft_seconds(len(prefix), keep_drafting.forwards))
             return Proposal(proposal.draft_tokens, proposal.draft_probs, option.source)
         return Proposal((), None, "off")
 

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+import time
+from typing import TYPE_CHECKING, Callable, Generator, Optional, Sequence
 
 import numpy as np
 
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import DraftForward, Drafter, DraftReply, DraftSteps, run_alone
 from specdec.drafters.history import TenantHistory
 from specdec.engine.sequence import CachedSequence
 from specdec.sampling.probs import max_probability, one_hot, sample, token_distribution
@@ -49,8 +50,11 @@ class ModelDrafter(Drafter):
 
     name = "draft"
 
-    def __init__(self, sequence: CachedSequence):
+    def __init__(self, sequence: CachedSequence, clock: Callable[[], float] = time.perf_counter):
         self.sequence = sequence
+        self.clock = clock
+        self.seconds = 0.0  # the last proposal's draft time (propose_steps)
+        self._resumed = 0.0
 
     def prefill(self, prompt_prefix: Sequence[int]) -> None:
         self.sequence.prefill(list(prompt_prefix))
@@ -68,6 +72,22 @@ class ModelDrafter(Drafter):
     def propose(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator,
                 guide: Optional["Constraint"] = None, *, prefix: Sequence[int] = (),
                 keep_drafting: Optional[KeepDrafting] = None) -> Proposal:
+        return run_alone(self.propose_steps(context, k, sampling, rng, guide, prefix=prefix,
+                                            keep_drafting=keep_drafting), self.clock)
+
+    def propose_steps(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator,
+                      guide: Optional["Constraint"] = None, *, prefix: Sequence[int] = (),
+                      keep_drafting: Optional[KeepDrafting] = None) -> DraftSteps:
+        """The proposal's draft forwards are yielded (base.DraftSteps); `seconds` adds up its own
+        time: its share of them, and the rest of its work (a catch-up on a long lag among it)."""
+        self.seconds, self._resumed = 0.0, self.clock()
+        proposal = yield from self._draft(context, k, sampling, rng, guide, prefix, keep_drafting)
+        self.seconds += self.clock() - self._resumed
+        return proposal
+
+    def _draft(self, context, k: int, sampling: SamplingParams, rng: np.random.Generator,
+               guide: Optional["Constraint"], prefix: Sequence[int],
+               keep_drafting: Optional[KeepDrafting]) -> DraftSteps:
         source = "hybrid" if prefix else "draft"
         prefix = tuple(int(t) for t in prefix[:k])
         if guide is not None:
@@ -82,7 +102,7 @@ class ModelDrafter(Drafter):
         if len(lag) > MAX_JOINED_CATCH_UP:
             self.sequence.prefill(context[:-1])
             lag = []
-        logits = self.sequence.extend([*lag, context[-1], *prefix])[-1]
+        logits = yield from self._forward([*lag, context[-1], *prefix])
         tokens: list[int] = list(prefix)
         probs: list[np.ndarray] = [] if sampling.greedy else [one_hot(t, logits.shape[-1]) for t in prefix]
         while len(tokens) < k:
@@ -107,5 +127,12 @@ class ModelDrafter(Drafter):
             if extent is Extent.LAST or (guide is not None and guide.is_end(token)):
                 break
             if len(tokens) < k:
-                logits = self.sequence.extend([token])[-1]
+                logits = yield from self._forward([token])
         return Proposal(tuple(tokens), np.stack(probs) if probs else None, source)
+
+    def _forward(self, tokens: Sequence[int]) -> Generator[DraftForward, DraftReply, np.ndarray]:
+        self.seconds += self.clock() - self._resumed
+        reply = yield DraftForward(self.sequence, tuple(tokens))
+        self._resumed = self.clock()
+        self.seconds += reply.seconds
+        return reply.logits

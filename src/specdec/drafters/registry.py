@@ -113,7 +113,7 @@ def _draft(parts: SlotParts) -> "Drafter":
     from specdec.drafters.model import ModelDrafter
 
     assert parts.draft is not None  # needs_draft: never built without one
-    return ModelDrafter(parts.draft)
+    return ModelDrafter(parts.draft, clock=parts.clock)
 
 
 def _auto(parts: SlotParts) -> "Drafter":

@@ -13,8 +13,9 @@ prompts, from their own slot's cache or, where the backend shares cached positio
 the same tenant: a request whose prompt start another is still processing waits for it instead of
 computing it too, as the choices of an `n` > 1 request do), processes up to `prefill_budget`
 prompt tokens in whole aligned chunks (a long prompt joining does not stall the others), then
-asks every started generation for its plan (pending token + drafts) and verifies them all in ONE
-target forward, timed here and nowhere else.
+asks every started generation for its plan (pending token + drafts; the draft model's forwards of
+all their proposals run together, one per draft position) and verifies them all in ONE target
+forward, timed here and nowhere else.
 A request's failure is its own (its slot is reset); a failed shared forward fails those in it.
 """
 from __future__ import annotations
@@ -23,8 +24,9 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Generator, Iterator, Optional, Union
 
+from specdec.drafters.base import DraftForward, DraftReply
 from specdec.engine.decoder import Generation
 from specdec.engine.prompt_cache import Parked
 from specdec.engine.sequence import CachedSequence, common_prefix_length
@@ -101,6 +103,7 @@ class EngineCore:
         self._handles = itertools.count(1)
         # What the current step is doing, read by a watchdog on another thread ("" when idle).
         self.stage = ""
+        self._drafting: set[int] = set()  # the handles whose plans ran draft-model forwards last round
 
     # -- the interface -----------------------------------------------------------------------
     @property
@@ -389,15 +392,10 @@ class EngineCore:
         return items
 
     def _decode(self, items: list, batched: bool) -> None:
-        running, plans = [], []
         ready = [(handle, active) for handle, active in self._active.items()
                  if active.started and not active.admitted.finished and not self._failed(items, handle)]
-        streams = len(ready) if batched else 1  # sequential forwards: each stream is priced alone
-        for handle, active in ready:
-            tokens = self._guarded(items, handle, active.admitted.plan, streams)  # drafting: per sequence
-            if tokens is not None:
-                running.append(handle)
-                plans.append(tokens)
+        planned = self._plan_together(items, ready, batched)
+        running, plans = [handle for handle, _ in planned], [tokens for _, tokens in planned]
         # Cells taken before the shared forward: a sequence with no room fails alone, not the forward.
         target = self.engine.target
         for handle, tokens in zip(running, plans):
@@ -419,6 +417,66 @@ class EngineCore:
                 if handle not in done:
                     items.append((handle, Failed(exc)))
                     self._reset_slot(self._active[handle].slot)
+
+    def _plan_together(self, items: list, ready: list[tuple[int, _Active]], batched: bool) -> list[tuple[int, list[int]]]:
+        """Every ready generation's plan (pending token + drafts). The draft-model forwards their
+        proposals need run together: one forward per draft position for all the streams drafting,
+        not one per stream. Each prices its proposal as sharing its draft forwards with the streams
+        that drafted with the model last round."""
+        streams = len(ready) if batched else 1  # sequential forwards: each stream is priced alone
+        drafted_last = self._drafting & {handle for handle, _ in ready}
+        waiting: dict[int, tuple[Generator[DraftForward, DraftReply, list[int]], DraftForward]] = {}
+        plans: dict[int, list[int]] = {}
+
+        def advance(handle: int, steps: Generator[DraftForward, DraftReply, list[int]], reply: Optional[DraftReply]) -> None:
+            try:
+                forward = next(steps) if reply is None else steps.send(reply)
+            except StopIteration as done:
+                plans[handle] = done.value
+            else:
+                waiting[handle] = (steps, forward)
+
+        for handle, active in ready:
+            sharers = 1 + len(drafted_last - {handle}) if batched else 1
+            self._guarded(items, handle, advance, handle, active.admitted.plan_steps(streams, sharers), None)
+        self._drafting = set(waiting)
+        while waiting:
+            for handle, (_, forward) in waiting.items():  # as before the target's forward: a sequence without room fails alone
+                sequence = forward.sequence
+                self._guarded(items, handle, sequence.backend.reserve, sequence.seq_id, len(sequence) + len(forward.tokens))
+            batch = [(handle, entry) for handle, entry in waiting.items() if not self._failed(items, handle)]
+            waiting.clear()
+            if not batch:
+                break
+            try:
+                replies = self._draft_forwards([forward for _, (_, forward) in batch])
+            except Exception as exc:  # a failed shared draft forward: the proposals in it fail
+                logger.exception("a draft forward failed")
+                for handle, _ in batch:
+                    items.append((handle, Failed(exc)))
+                    self._reset_slot(self._active[handle].slot)
+                continue
+            for (handle, (steps, _)), reply in zip(batch, replies):
+                self._guarded(items, handle, advance, handle, steps, reply)
+        return [(handle, plans[handle]) for handle, _ in ready if handle in plans]
+
+    def _draft_forwards(self, forwards: list[DraftForward]) -> list[DraftReply]:
+        """The forwards in one call per draft backend, timed; each is answered with its last
+        logits row and an equal share of the call's seconds."""
+        replies: dict[int, DraftReply] = {}
+        backends: dict[int, list[int]] = {}
+        for index, forward in enumerate(forwards):
+            backends.setdefault(id(forward.sequence.backend), []).append(index)
+        for indices in backends.values():
+            group = [forwards[i] for i in indices]
+            started = self.clock()
+            rows = group[0].sequence.backend.eval_many(
+                [(f.sequence.seq_id, len(f.sequence.tokens), list(f.tokens)) for f in group])
+            share = (self.clock() - started) / len(group)
+            for index, forward, logits in zip(indices, group, rows):
+                forward.sequence.record(forward.tokens)
+                replies[index] = DraftReply(logits[-1], share)
+        return [replies[index] for index in range(len(forwards))]
 
     def _verify(self, generations: list[Generation], plans: list[list[int]], batched: bool) -> Iterator[StreamEvent]:
         """Each generation's plan evaluated on the target, timed, and committed (in order)."""

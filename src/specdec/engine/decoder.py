@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
-from typing import Callable, Optional
+from typing import Callable, Generator, Optional
 
 import numpy as np
 
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import DraftForward, Drafter, DraftReply, run_alone
 from specdec.drafters.history import TenantHistory
 from specdec.drafters.registry import OFF
 from specdec.engine.sequence import CachedSequence
@@ -102,21 +102,35 @@ class Generation:
     def plan(self, streams: int = 1) -> list[int]:
         """Ask the drafter for a proposal; returns the tokens the target must evaluate.
         `streams`: how many generations' rows the verification forward holds, this one's included."""
+        return run_alone(self.plan_steps(streams), self.clock)
+
+    def plan_steps(self, streams: int = 1, draft_sharers: int = 1) -> Generator[DraftForward, DraftReply, list[int]]:
+        """plan() with the proposal's draft-model forwards yielded (drafters/base.py DraftSteps), for
+        the engine core to run with other streams'. `draft_sharers`: the streams expected to draft
+        with the model this round, this one included (their forwards are shared)."""
         room = self.target.backend.n_ctx - len(self.context)
         if self.request.max_tokens is not None:
             room = min(room, self.request.max_tokens - len(self.token_ids) - 1)
-        self.drafter.share_round(streams, tokens_left=room + 1)  # the round's own token included
+        self.drafter.share_round(streams, tokens_left=room + 1, draft_sharers=draft_sharers)  # the round's own token included
         k = min(self._k, room)
-        t0 = self.clock()
+        spent, resumed = 0.0, self.clock()  # this plan's own time: not the other streams' between its forwards
         if k > 0:
-            self._proposal = self.drafter.propose(self.context, k, self._shaping, self.rng,
-                                                  guide=self.constraint)
+            steps = self.drafter.propose_steps(self.context, k, self._shaping, self.rng, guide=self.constraint)
+            try:
+                forward = next(steps)
+                while True:
+                    spent += self.clock() - resumed
+                    reply = yield forward
+                    spent, resumed = spent + reply.seconds, self.clock()
+                    forward = steps.send(reply)
+            except StopIteration as done:
+                self._proposal = done.value
         else:
             self._proposal = Proposal(())
         self._drafted = len(self._proposal.draft_tokens)
         if self.constraint is not None:
             self._proposal = self._constrain(self._proposal, room)
-        self.stats.draft_seconds += self.clock() - t0
+        self.stats.draft_seconds += spent + self.clock() - resumed
         return [self.context[-1], *self._proposal.draft_tokens]
 
     def commit(self, target_logits: np.ndarray, alone_seconds: Optional[float] = None) -> StreamEvent:

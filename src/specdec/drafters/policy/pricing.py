@@ -49,6 +49,8 @@ class RoundCosts:
     when it raises the whole forward's tokens per second (notebook, "streams sharing forwards").
     `lag`: committed tokens the draft model's cache lacks. `draft_scale`: what its proposals really
     take over their calibrated price (estimates.DraftTimeScale). `has_draft`: a draft model is there.
+    `draft_sharers`: the streams whose draft forwards run together with this one's (itself
+    included): each pays its share of a forward of that many rows, d(n) / n.
     """
 
     cost: CostModel
@@ -57,6 +59,7 @@ class RoundCosts:
     draft_scale: float = 1.0
     lag: int = 0
     catch_up_horizon: int = 32
+    draft_sharers: int = 1
 
     def target(self, rows: int) -> float:
         """Seconds of a round of `rows` rows to this stream: t(rows) alone; shared by N streams,
@@ -71,11 +74,16 @@ class RoundCosts:
         return self.target(position + 2) - self.target(position + 1)
 
     @property
+    def draft_share(self) -> float:
+        """This stream's part of a draft forward shared by `draft_sharers` streams."""
+        return self.cost.relative(self.draft_sharers) / self.draft_sharers if self.draft_sharers > 1 else 1.0
+
+    @property
     def draft_step(self) -> Optional[float]:
         """One draft-model token at what it really takes; None without a draft model."""
         if not self.has_draft or not self.cost.draft_step_seconds:
             return None
-        return self.cost.draft_step_seconds * self.draft_scale
+        return self.cost.draft_step_seconds * self.draft_share * self.draft_scale
 
     def draft_seconds(self, prefix: int, forwards: int, lag: Optional[int] = None) -> float:
         """Calibrated seconds of a draft-model proposal: its first forward evaluates the committed
@@ -83,9 +91,10 @@ class RoundCosts:
         MAX_JOINED_CATCH_UP is processed as a prompt first), every later forward one token."""
         lag = self.lag if lag is None else lag
         catch_up = 0.0
-        if lag > MAX_JOINED_CATCH_UP:
+        if lag > MAX_JOINED_CATCH_UP:  # processed alone, as a prompt
             catch_up, lag = self.cost.draft_prompt(lag), 0
-        return catch_up + self.cost.draft(lag + 1 + prefix) + (forwards - 1) * (self.cost.draft_step_seconds or 0.0)
+        shared = self.cost.draft(lag + 1 + prefix) + (forwards - 1) * (self.cost.draft_step_seconds or 0.0)
+        return catch_up + shared * self.draft_share
 
     def draft(self, prefix: int, forwards: int) -> float:
         """What a round is charged for a draft-model proposal: its own catch-up (at most the one
