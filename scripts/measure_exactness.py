@@ -22,7 +22,7 @@ import numpy as np
 
 from specdec.backends.registry import REGISTRY, BackendConfig, ModelConfig
 from specdec.engine.engine import Engine
-from specdec.engine.sequence import CachedSequence
+from specdec.backends.sequence import CachedSequence
 from specdec.models.registry import TARGET, default_path
 from specdec.runtime import load_backend
 

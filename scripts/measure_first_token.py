@@ -38,7 +38,7 @@ from specdec.bench.serving import ServedConfig, SpecdecServer, one_request, serv
 FIXED_COST_SERVE = """
 import json, sys
 from specdec.engine import engine as engine_module
-from specdec.engine.cost_model import CostModel
+from specdec.backends.cost_model import CostModel
 with open(sys.argv.pop(1)) as f:
     cost = json.load(f)
 engine_module.Engine.measure_costs = lambda self, slot=0, interrupted=None: CostModel.from_json(cost)
@@ -84,7 +84,7 @@ def measure_cost_model(path: Path) -> None:
     """A plausible cost model of the default pair, measured in this process, into `path`."""
     from specdec import runtime
     from specdec.config import load_config
-    from specdec.engine.cost_model import implausibility
+    from specdec.backends.cost_model import implausibility
 
     engine = runtime.load_engine(load_config().models, n_slots=1)
     try:

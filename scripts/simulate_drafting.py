@@ -45,7 +45,7 @@ from typing import Callable
 
 import numpy as np
 
-from specdec.engine.sequence import common_prefix_length
+from specdec.backends.sequence import common_prefix_length
 from specdec.backends.base import Backend
 from specdec.bench.datasets import load_prompts
 from specdec.drafters.auto import AutoDrafter
@@ -56,7 +56,7 @@ from specdec.drafters.history import TenantHistory as new_history
 from specdec.drafters.suffix import SuffixIndex
 from specdec.drafters.base import Drafter
 from specdec.drafters.ngram import NgramDrafter, NgramIndex
-from specdec.engine.cost_model import CostModel
+from specdec.backends.cost_model import CostModel
 from specdec.types import Proposal, SamplingParams
 
 GREEDY = SamplingParams()

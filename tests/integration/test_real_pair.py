@@ -229,7 +229,7 @@ def test_prefix_reuse_gives_the_logits_of_processing_from_scratch(each_engine):
     """A prompt whose slot held another prompt sharing a prefix with it gets, bit for bit, the
     next-token logits of processing it from scratch: llama.cpp's results for a prompt position
     depend on the batch it was computed in, so prompts are processed in aligned chunks and only
-    whole chunks are reused (engine/sequence.py)."""
+    whole chunks are reused (backends/sequence.py)."""
     prompt = next(p for c, p in EQUALITY_PROMPTS if c == "summarization")
     ids = each_engine.encode_prompt(prompt, chat=True)
     detour = each_engine.target.tokenize(" Something else entirely, then more words.", add_special=False)
@@ -272,7 +272,7 @@ def test_special_token_text_in_a_message_stays_text_on_the_real_tokenizer(real_e
 
 def test_a_prompt_start_shared_from_another_slot_gives_the_logits_of_processing_from_scratch(real_engine):
     """Prompts processed once: a sequence holding another slot's cells of its prompt's whole blocks
-    (engine/sequence.py, adopt) gets bit for bit the logits it gets computing the prompt itself,
+    (backends/sequence.py, adopt) gets bit for bit the logits it gets computing the prompt itself,
     alone and verified together with the slot it shares with; that slot's own logits stay its own."""
     target = real_engine.target
     if not target.prefix_share_block:

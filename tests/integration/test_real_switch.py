@@ -9,7 +9,7 @@ import pytest
 from fakes.threads import wait_until
 from openai import OpenAI
 
-from specdec.engine.cost_model import CostModel
+from specdec.backends.cost_model import CostModel
 from specdec.server import ServerConfig, create_app
 from specdec.server.testing import serve_in_thread
 from specdec.types import GenerationRequest, SpecConfig

@@ -10,9 +10,9 @@ from specdec.drafters.auto import (NGRAM_PRIORS, AcceptanceEstimate, AutoDrafter
                                    PolicyConfig, expected_tokens, match_bucket)
 from specdec.drafters.model import MAX_JOINED_CATCH_UP, Extent, ModelDrafter
 from specdec.drafters.suffix import Evidence
-from specdec.engine.cost_model import CostModel
+from specdec.backends.cost_model import CostModel
 from specdec.engine.engine import Engine
-from specdec.engine.sequence import CachedSequence
+from specdec.backends.sequence import CachedSequence
 from specdec.sampling.probs import token_distribution
 from specdec.sampling.verify import verify
 from specdec.types import GenerationRequest, Proposal, SamplingParams, SpecConfig
@@ -145,6 +145,18 @@ def test_a_draft_models_serial_steps_are_charged_to_the_whole_shared_forward():
     assert drafter.plan({}, k=4).source == "off"
 
 
+def test_a_streams_rows_are_priced_on_top_of_the_rows_the_streams_before_it_planned():
+    # A measured curve with a dip: t(8) below t(7), then a step. At 7 streams one more row looks
+    # free, but only to the first stream that takes it: the next one's row would make 9.
+    cost = CostModel({n: 0.050 * v for n, v in enumerate((1.0, 1.12, 1.21, 1.59, 1.47, 1.85, 2.37, 2.30, 3.09, 3.08),
+                                                         start=1)}, None)
+    drafter = drafter_with(cost, ngram_rate=0.3, draft_rate=0.0)
+    drafter.share_round(7)
+    assert drafter.plan(offers(ngram=1), k=1).source == "ngram"
+    drafter.share_round(7, rows_before=1)
+    assert drafter.plan(offers(ngram=1), k=1).source == "off"
+
+
 def test_draft_forwards_shared_with_other_streams_are_priced_at_their_share():
     # At two streams a draft model accepted 90 % of the time does not pay at 4 ms a step run
     # alone; with its forwards shared by the other stream's proposal, each pays d(2) / 2 of a
@@ -163,9 +175,9 @@ def share_rounds(n_requests, max_tokens, **request_options):
     seen = []
 
     class Recording(AutoDrafter):
-        def share_round(self, streams, tokens_left=None, draft_sharers=1):
+        def share_round(self, streams, tokens_left=None, draft_sharers=1, rows_before=0):
             seen.append((streams, tokens_left))
-            super().share_round(streams, tokens_left, draft_sharers)
+            super().share_round(streams, tokens_left, draft_sharers, rows_before)
 
     engine = Engine(FakeBackend(seed=3), n_slots=n_requests)
     for slot in engine.slots:

@@ -93,9 +93,9 @@ def test_streams_drafting_with_the_model_share_each_draft_forward(monkeypatch):
             calls.append(len(requests))
         return evaluate(requests, prefill=prefill)
 
-    def recording_plan_steps(generation, streams=1, draft_sharers=1):
+    def recording_plan_steps(generation, streams=1, draft_sharers=1, rows_before=0):
         sharers.append(draft_sharers)
-        return plan_steps(generation, streams, draft_sharers)
+        return plan_steps(generation, streams, draft_sharers, rows_before)
 
     engine.draft.eval_many = recording_eval_many
     monkeypatch.setattr(Generation, "plan_steps", recording_plan_steps)
@@ -110,6 +110,27 @@ def test_streams_drafting_with_the_model_share_each_draft_forward(monkeypatch):
     assert [texts[handle] for handle in handles] == alone
     assert max(calls) == 3 and sum(calls) > len(calls)  # one call held all three streams' forwards
     assert sharers[:3] == [1, 1, 1] and 3 in sharers
+
+
+def test_each_stream_plans_knowing_the_rows_the_streams_before_it_planned(monkeypatch):
+    engine = Engine(FakeBackend(seed=7), n_slots=3)
+    plan_steps, rounds = Generation.plan_steps, []
+
+    def recording_plan_steps(generation, streams=1, draft_sharers=1, rows_before=0):
+        tokens = yield from plan_steps(generation, streams, draft_sharers, rows_before)
+        rounds[-1].append((rows_before, len(tokens) - 1))
+        return tokens
+
+    monkeypatch.setattr(Generation, "plan_steps", recording_plan_steps)
+    core = engine.core
+    for prompt in ("abc abc abc", "the the the cat", "the cat sat on the mat"):
+        core.add(request(engine, prompt, "ngram", k=3, max_tokens=30))
+    while core.busy:
+        rounds.append([])
+        core.step()
+    assert sum(extra for plans in rounds for _, extra in plans) > 0  # some rounds proposed
+    for plans in rounds:
+        assert [before for before, _ in plans] == [sum(extra for _, extra in plans[:i]) for i in range(len(plans))]
 
 
 def test_max_tokens_and_length_finish():

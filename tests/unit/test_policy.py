@@ -15,7 +15,7 @@ from specdec.drafters.policy.planner import DraftLength, Offer, Option, draft_co
 from specdec.drafters.policy.pricing import (RoundCosts, best_uniform_proposal, cumulative_expected_tokens,
                                              expected_tokens)
 from specdec.drafters.suffix import Evidence
-from specdec.engine.cost_model import CostModel
+from specdec.backends.cost_model import CostModel
 
 
 def linear(step=0.050, per_token=0.045, draft_step=0.02):

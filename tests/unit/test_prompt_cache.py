@@ -133,7 +133,7 @@ def test_the_server_reports_a_restored_start_in_usage_and_metrics():
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == restored
 
 
-# On llama.cpp only positions computed in whole prompt chunks are reused (engine/sequence.py):
+# On llama.cpp only positions computed in whole prompt chunks are reused (backends/sequence.py):
 # a fake with chunks of 4 and blocks of 8 leaves a conversation's reusable start inside a block.
 class ChunkedFake(FakeBackend):
     prefill_alignment = 4

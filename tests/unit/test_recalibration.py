@@ -1,4 +1,4 @@
-"""Calibrations that check themselves (engine/cost_model.implausibility, server/recalibration.py):
+"""Calibrations that check themselves (backends/cost_model.implausibility, server/recalibration.py):
 a cost model measured on a busy machine is not adopted; the last good one serves meanwhile and
 the costs are measured again at the worker's idle moments, which a request interrupts."""
 import logging
@@ -11,7 +11,7 @@ import pytest
 from fakes.threads import in_thread, wait_until
 
 from specdec.backends.fake import FakeBackend
-from specdec.engine.cost_model import CalibrationInterrupted, CostModel, implausibility
+from specdec.backends.cost_model import CalibrationInterrupted, CostModel, implausibility
 from specdec.engine.engine import Engine
 from specdec.server import ServerConfig, create_app
 from specdec.server.recalibration import RETRY_SECONDS, CostKeeper

@@ -4,7 +4,7 @@ reused, so a request's output never depends on what its slot held before."""
 from specdec.backends.base import aligned_chunks
 from specdec.backends.fake import FakeBackend
 from specdec.engine.engine import Engine
-from specdec.engine.sequence import CachedSequence
+from specdec.backends.sequence import CachedSequence
 from specdec.types import GenerationRequest, SpecConfig
 
 

@@ -3,7 +3,7 @@
 A backend evaluates tokens at given positions of a sequence's KV cache and returns logits for
 every evaluated position; it can truncate a sequence's cache to a length (rollback of rejected
 drafts). It knows nothing of drafting or acceptance. Callers track which tokens are cached
-(see engine/sequence.py); the backend only checks that evaluation continues where the cache ends.
+(see backends/sequence.py); the backend only checks that evaluation continues where the cache ends.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class Backend(ABC):
     max_sequences: int = 1
     # > 1: prompt processing runs in chunks that start and end at multiples of this (see
     # aligned_chunks), because this backend's numbers for a position depend on the batch it was
-    # computed in; prefix caching then reuses only whole chunks (engine/sequence.py).
+    # computed in; prefix caching then reuses only whole chunks (backends/sequence.py).
     prefill_alignment: int = 1
     # > 0: a sequence may take another's cached positions (share_prefix) in blocks of this,
     # without computing them again; 0: each sequence computes its own.

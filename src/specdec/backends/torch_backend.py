@@ -136,7 +136,7 @@ class TorchBackend(Backend):
         self.eog_token_ids = eos_token_ids(self.model, self.tokenizer)
         self._pieces, self._fingerprint_pieces = token_pieces(self.tokenizer, self.vocab_size)
         self._decode_rows = EXACT_MAX_DECODE_ROWS if exact else None  # None: the whole evaluation at once
-        # Exact prefix caching: prompts in aligned chunks, whole chunks reused (engine/sequence.py).
+        # Exact prefix caching: prompts in aligned chunks, whole chunks reused (backends/sequence.py).
         self.prefill_alignment = EXACT_PREFILL_ALIGNMENT if exact else 1
         self._caches: dict[int, object] = {}  # seq_id -> DynamicCache, made on first use
         self._lock = threading.Lock()  # one forward or crop at a time

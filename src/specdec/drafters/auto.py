@@ -33,7 +33,7 @@ from specdec.drafters.policy.priors import (AGREEMENTS, CACHE_PRIORS, MATCH_BUCK
                                             evidence_key, match_bucket)
 from specdec.drafters.registry import DRAFT_FREE, MODEL_SOURCES  # the proposal sources auto offers
 from specdec.drafters.suffix import SuffixIndex
-from specdec.engine.cost_model import CostModel
+from specdec.backends.cost_model import CostModel
 from specdec.types import Proposal, SamplingParams
 
 __all__ = ["AGREEMENTS", "CACHE_PRIORS", "MATCH_BUCKETS", "MAX_MATCH", "NGRAM_PRIORS", "NGRAM_SOURCES",
@@ -79,6 +79,7 @@ class AutoDrafter(Drafter):
         self.streams = 1  # streams sharing the coming verification forward (share_round)
         self.tokens_left: Optional[int] = None  # at most this many more tokens (share_round)
         self.draft_sharers = 1  # streams sharing a model proposal's draft forwards (share_round)
+        self.rows_before = 0  # extra rows the streams planned before this one put in the forward (share_round)
         self.begin(())
 
     @property
@@ -106,10 +107,12 @@ class AutoDrafter(Drafter):
         self._prompt_length = len(prompt)
         self._catch_up_due = bool(prompt) and self.model_drafter is not None
 
-    def share_round(self, streams: int, tokens_left: Optional[int] = None, draft_sharers: int = 1) -> None:
+    def share_round(self, streams: int, tokens_left: Optional[int] = None, draft_sharers: int = 1,
+                    rows_before: int = 0) -> None:
         self.streams = max(1, streams)
         self.tokens_left = tokens_left
         self.draft_sharers = max(1, draft_sharers)
+        self.rows_before = max(0, rows_before)
 
     # -- pricing and planning (drafters/policy/) -------------------------------------------------
     def round_costs(self, lag: int = 0) -> RoundCosts:
@@ -119,7 +122,7 @@ class AutoDrafter(Drafter):
         if self.tokens_left is not None:
             horizon = max(1, min(horizon, self.tokens_left))
         return RoundCosts(self.cost, self.streams, self.model_drafter is not None, self.draft_time.value, lag, horizon,
-                          self.draft_sharers)
+                          self.draft_sharers, self.rows_before)
 
     def target_seconds(self, rows: int) -> float:
         """What a round of `rows` rows costs this stream (RoundCosts.target)."""

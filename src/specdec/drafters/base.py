@@ -16,7 +16,7 @@ from specdec.drafters.history import TenantHistory
 from specdec.types import Proposal, SamplingParams
 
 if TYPE_CHECKING:
-    from specdec.engine.sequence import CachedSequence
+    from specdec.backends.sequence import CachedSequence
     from specdec.grammar.constraint import Constraint
 
 
@@ -69,9 +69,11 @@ class Drafter(ABC):
         """The target has processed this much of the prompt (a chunk at a time, before `begin`): a
         drafter with a cache of its own may process it alongside."""
 
-    def share_round(self, streams: int, tokens_left: Optional[int] = None, draft_sharers: int = 1) -> None:
+    def share_round(self, streams: int, tokens_left: Optional[int] = None, draft_sharers: int = 1,
+                    rows_before: int = 0) -> None:
         """The coming verification forward holds this many streams' rows (1: this one alone); a
-        drafter that prices its proposals prices them at what they add to that forward.
+        drafter that prices its proposals prices them at what they add to that forward, above the
+        `rows_before` extra rows the streams planned before it put there.
         `tokens_left`: at most this many more tokens follow (the request's limit), None: unknown.
         `draft_sharers`: the streams whose draft forwards a model proposal would share (itself included)."""
 

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 if TYPE_CHECKING:
     from specdec.drafters.base import Drafter
-    from specdec.engine.cost_model import CostModel
+    from specdec.backends.cost_model import CostModel
     from specdec.engine.engine import EngineConfig
-    from specdec.engine.sequence import CachedSequence
+    from specdec.backends.sequence import CachedSequence
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Generator, Iterator, Optional, Union
 from specdec.drafters.base import DraftForward, DraftReply
 from specdec.engine.decoder import Generation
 from specdec.engine.prompt_cache import Parked
-from specdec.engine.sequence import CachedSequence, common_prefix_length
+from specdec.backends.sequence import CachedSequence, common_prefix_length
 from specdec.sampling.logprobs import token_logprobs
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent, TokenLogprob
 
@@ -421,8 +421,8 @@ class EngineCore:
     def _plan_together(self, items: list, ready: list[tuple[int, _Active]], batched: bool) -> list[tuple[int, list[int]]]:
         """Every ready generation's plan (pending token + drafts). The draft-model forwards their
         proposals need run together: one forward per draft position for all the streams drafting,
-        not one per stream. Each prices its proposal as sharing its draft forwards with the streams
-        that drafted with the model last round."""
+        not one per stream. Each prices its rows on top of those the streams before it planned, and
+        its draft forwards as shared with the streams that drafted with the model last round."""
         streams = len(ready) if batched else 1  # sequential forwards: each stream is priced alone
         drafted_last = self._drafting & {handle for handle, _ in ready}
         waiting: dict[int, tuple[Generator[DraftForward, DraftReply, list[int]], DraftForward]] = {}
@@ -438,7 +438,9 @@ class EngineCore:
 
         for handle, active in ready:
             sharers = 1 + len(drafted_last - {handle}) if batched else 1
-            self._guarded(items, handle, advance, handle, active.admitted.plan_steps(streams, sharers), None)
+            # A stream still drafting with the model counts one row: its length is decided as it drafts.
+            rows_before = sum(len(tokens) - 1 for tokens in plans.values()) + len(waiting) if batched else 0
+            self._guarded(items, handle, advance, handle, active.admitted.plan_steps(streams, sharers, rows_before), None)
         self._drafting = set(waiting)
         while waiting:
             for handle, (_, forward) in waiting.items():  # as before the target's forward: a sequence without room fails alone
@@ -493,10 +495,8 @@ class EngineCore:
                 rows.append(target.eval(*request))
                 seconds.append(clock() - t0)
         alone = len(requests) == 1 or not batched  # a shared forward times no one sequence
-        for generation, tokens, logits, spent in zip(generations, plans, rows, seconds):
-            generation.target.record(tokens)
-            generation.stats.verify_seconds += spent
-            yield generation.commit(logits, spent if alone else None)
+        for generation, logits, spent in zip(generations, rows, seconds):
+            yield generation.commit(logits, spent, alone)
 
     # -- helpers -----------------------------------------------------------------------------
     def _guarded(self, items: list, handle: int, stage: Callable, *args):

@@ -16,7 +16,7 @@ import numpy as np
 from specdec.drafters.base import DraftForward, Drafter, DraftReply, run_alone
 from specdec.drafters.history import TenantHistory
 from specdec.drafters.registry import OFF
-from specdec.engine.sequence import CachedSequence
+from specdec.backends.sequence import CachedSequence
 from specdec.engine.stats import GenerationStats
 from specdec.engine.stopping import TextAssembler
 from specdec.grammar.constraint import Constraint
@@ -104,14 +104,17 @@ class Generation:
         `streams`: how many generations' rows the verification forward holds, this one's included."""
         return run_alone(self.plan_steps(streams), self.clock)
 
-    def plan_steps(self, streams: int = 1, draft_sharers: int = 1) -> Generator[DraftForward, DraftReply, list[int]]:
+    def plan_steps(self, streams: int = 1, draft_sharers: int = 1,
+                   rows_before: int = 0) -> Generator[DraftForward, DraftReply, list[int]]:
         """plan() with the proposal's draft-model forwards yielded (drafters/base.py DraftSteps), for
         the engine core to run with other streams'. `draft_sharers`: the streams expected to draft
-        with the model this round, this one included (their forwards are shared)."""
+        with the model this round, this one included (their forwards are shared); `rows_before`:
+        the extra rows the streams planned before this one put in the verification forward."""
         room = self.target.backend.n_ctx - len(self.context)
         if self.request.max_tokens is not None:
             room = min(room, self.request.max_tokens - len(self.token_ids) - 1)
-        self.drafter.share_round(streams, tokens_left=room + 1, draft_sharers=draft_sharers)  # the round's own token included
+        self.drafter.share_round(streams, tokens_left=room + 1, draft_sharers=draft_sharers,  # the round's own token included
+                                 rows_before=rows_before)
         k = min(self._k, room)
         spent, resumed = 0.0, self.clock()  # this plan's own time: not the other streams' between its forwards
         if k > 0:
@@ -133,10 +136,13 @@ class Generation:
         self.stats.draft_seconds += spent + self.clock() - resumed
         return [self.context[-1], *self._proposal.draft_tokens]
 
-    def commit(self, target_logits: np.ndarray, alone_seconds: Optional[float] = None) -> StreamEvent:
-        """Accept a prefix of the proposal given the target's logits [k + 1, vocab]; roll back the rest.
-        `alone_seconds`: the forward's time when it evaluated this sequence alone (it updates the
-        cost model of `auto`)."""
+    def commit(self, target_logits: np.ndarray, seconds: float, alone: bool) -> StreamEvent:
+        """The target evaluated the plan (its logits [k + 1, vocab], in `seconds`, this sequence
+        `alone` in the forward or not): accept a prefix of the proposal and roll back the rest. A
+        forward timed alone updates the cost model of `auto`."""
+        self.target.record([self.context[-1], *self._proposal.draft_tokens])
+        self.stats.verify_seconds += seconds
+        alone_seconds = seconds if alone else None
         proposal = self._proposal
         draft_tokens = proposal.draft_tokens
         sampling = self._shaping  # row(i) has the logit_bias already

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from specdec.backends.base import Backend
-from specdec.engine.sequence import CachedSequence
+from specdec.backends.sequence import CachedSequence
 
 
 @dataclass

@@ -13,7 +13,7 @@ from importlib import resources
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from specdec.engine.cost_model import CostModel
+from specdec.backends.cost_model import CostModel
 from specdec.server.errors import json_response
 from specdec.server.serving import state_of
 

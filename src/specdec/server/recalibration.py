@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from specdec.engine.cost_model import CalibrationInterrupted, CostModel, implausibility
+from specdec.backends.cost_model import CalibrationInterrupted, CostModel, implausibility
 from specdec.engine.engine import Engine
 
 logger = logging.getLogger("specdec.server")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Generator, Optional, cast
 
 from specdec.engine import core
-from specdec.engine.cost_model import CostModel
+from specdec.backends.cost_model import CostModel
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.engine_users import EngineUsers

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from specdec.drafters.model import MAX_JOINED_CATCH_UP
-from specdec.engine.cost_model import CostModel
+from specdec.backends.cost_model import CostModel
 
 
 def expected_tokens(rates: Sequence[float]) -> float:
@@ -44,9 +44,12 @@ def best_uniform_proposal(acceptance: float, max_length: int, target_seconds: Ca
 class RoundCosts:
     """What one round costs this stream, from the machine's measured costs.
 
-    `streams`: the streams sharing the verification forward, each assumed to bring one row; its
-    rows are priced at what they add to that forward, so an option beats plain decoding exactly
-    when it raises the whole forward's tokens per second (notebook, "streams sharing forwards").
+    `streams`: the streams sharing the verification forward, each bringing one row, and
+    `rows_before` extra rows the streams planned before this one put there; its rows are priced at
+    what they add to that forward on top of those, so an option beats plain decoding exactly when it
+    raises the whole forward's tokens per second (notebook, "streams sharing forwards"). Priced
+    against one row a stream, N streams each saw one row's price where the forward grew by N rows:
+    on a curve with a dip (t(8) below t(7)) every stream's row looked free.
     `lag`: committed tokens the draft model's cache lacks. `draft_scale`: what its proposals really
     take over their calibrated price (estimates.DraftTimeScale). `has_draft`: a draft model is there.
     `draft_sharers`: the streams whose draft forwards run together with this one's (itself
@@ -60,14 +63,16 @@ class RoundCosts:
     lag: int = 0
     catch_up_horizon: int = 32
     draft_sharers: int = 1
+    rows_before: int = 0
 
     def target(self, rows: int) -> float:
-        """Seconds of a round of `rows` rows to this stream: t(rows) alone; shared by N streams,
-        its share of the plain round, t(N) / N, plus what its further rows add, t(N + rows - 1) - t(N)."""
-        if self.streams == 1:
+        """Seconds of a round of `rows` rows to this stream: t(rows) alone; shared by N streams
+        holding B extra rows already, its share of the plain round, t(N) / N, plus what its further
+        rows add, t(N + B + rows - 1) - t(N + B)."""
+        if self.streams == 1 and not self.rows_before:
             return self.cost.target(rows)
-        shared = self.cost.target(self.streams)
-        return shared / self.streams + self.cost.target(self.streams + rows - 1) - shared
+        held = self.streams + self.rows_before
+        return self.cost.target(self.streams) / self.streams + self.cost.target(held + rows - 1) - self.cost.target(held)
 
     def row(self, position: int) -> float:
         """Seconds of verifying the proposal's token at `position` (0-based)."""

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Optional
 
-from specdec.engine.sequence import CachedSequence
+from specdec.backends.sequence import CachedSequence
 
 CALIBRATION_TEXT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n" * 2
 # How far a calibration may stray before it is taken for noise (the machine busy with something
