@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from specdec.backends.registry import REGISTRY, BackendConfig, ModelConfig
-from specdec.engine.engine import Engine
 from specdec.backends.sequence import CachedSequence
+from specdec.engine.engine import Engine
 from specdec.models.registry import TARGET, default_path
 from specdec.runtime import load_backend
 

@@ -37,8 +37,8 @@ from specdec.bench.serving import ServedConfig, SpecdecServer, one_request, serv
 # A `specdec serve` whose start-up calibration returns the cost model in argv[1] instead.
 FIXED_COST_SERVE = """
 import json, sys
-from specdec.engine import engine as engine_module
 from specdec.backends.cost_model import CostModel
+from specdec.engine import engine as engine_module
 with open(sys.argv.pop(1)) as f:
     cost = json.load(f)
 engine_module.Engine.measure_costs = lambda self, slot=0, interrupted=None: CostModel.from_json(cost)

@@ -45,8 +45,9 @@ from typing import Callable
 
 import numpy as np
 
-from specdec.backends.sequence import common_prefix_length
 from specdec.backends.base import Backend
+from specdec.backends.cost_model import CostModel
+from specdec.backends.sequence import common_prefix_length
 from specdec.bench.datasets import load_prompts
 from specdec.drafters.auto import AutoDrafter
 from specdec.drafters.policy import priors
@@ -56,7 +57,6 @@ from specdec.drafters.history import TenantHistory as new_history
 from specdec.drafters.suffix import SuffixIndex
 from specdec.drafters.base import Drafter
 from specdec.drafters.ngram import NgramDrafter, NgramIndex
-from specdec.backends.cost_model import CostModel
 from specdec.types import Proposal, SamplingParams
 
 GREEDY = SamplingParams()

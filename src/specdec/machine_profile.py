@@ -30,10 +30,10 @@ from typing import Callable, Optional, Union
 
 from specdec import __version__
 from specdec.backends.base import default_threads
+from specdec.backends.cost_model import CostModel
 from specdec.backends.registry import BackendConfig, ModelConfig, default_backend, installed_configs
 from specdec.drafters.policy.pricing import best_uniform_proposal
 from specdec.drafters.policy.priors import DRAFT_PRIOR
-from specdec.backends.cost_model import CostModel
 from specdec.models.registry import specdec_home
 from specdec.types import SpecdecError
 

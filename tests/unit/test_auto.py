@@ -8,11 +8,11 @@ from fakes.clock import FakeClock
 from specdec.backends.fake import FakeBackend
 from specdec.drafters.auto import (NGRAM_PRIORS, AcceptanceEstimate, AutoDrafter, EvidenceEstimate, Offer, Option,
                                    PolicyConfig, expected_tokens, match_bucket)
+from specdec.backends.cost_model import CostModel
+from specdec.backends.sequence import CachedSequence
 from specdec.drafters.model import MAX_JOINED_CATCH_UP, Extent, ModelDrafter
 from specdec.drafters.suffix import Evidence
-from specdec.backends.cost_model import CostModel
 from specdec.engine.engine import Engine
-from specdec.backends.sequence import CachedSequence
 from specdec.sampling.probs import token_distribution
 from specdec.sampling.verify import verify
 from specdec.types import GenerationRequest, Proposal, SamplingParams, SpecConfig
@@ -155,6 +155,23 @@ def test_a_streams_rows_are_priced_on_top_of_the_rows_the_streams_before_it_plan
     assert drafter.plan(offers(ngram=1), k=1).source == "ngram"
     drafter.share_round(7, rows_before=1)
     assert drafter.plan(offers(ngram=1), k=1).source == "off"
+
+
+def test_rounds_shared_by_several_streams_are_priced_by_what_such_forwards_took():
+    # One sequence's rows nearly free (the calibration), a forward of several sequences' rows
+    # dearer as measured while serving: at 4 streams a prompt-lookup row accepted 60 % of the time
+    # pays on the first curve and not on the second; alone, only the first counts.
+    cost = flat_costs()
+    drafter = drafter_with(cost, ngram_rate=0.6, draft_rate=0.0)
+    drafter.share_round(4)
+    assert drafter.plan(offers(ngram=1), k=1).source == "ngram"
+    for _ in range(100):
+        for n in (4, 5):
+            cost.observe_shared(n, 0.050 * n)
+    assert cost.shared(5) == pytest.approx(0.25, rel=0.01) and cost.target(5) == pytest.approx(0.054)
+    assert drafter.plan(offers(ngram=1), k=1).source == "off"
+    drafter.share_round(1)
+    assert drafter.plan(offers(ngram=1), k=1).source == "ngram"
 
 
 def test_draft_forwards_shared_with_other_streams_are_priced_at_their_share():

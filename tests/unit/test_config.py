@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from specdec import runtime
+from specdec.backends.cost_model import CostModel
 from specdec.backends.fake import FakeBackend
 from specdec.cli import main
 from specdec.config import SECRETS, SECTIONS, SETTINGS, SpecdecConfig, convert, load_config
 from specdec.config_flags import config_from_args
-from specdec.backends.cost_model import CostModel
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.server.cli import parse_serve_flags
 from specdec.types import SpecdecError

@@ -2,6 +2,9 @@
 step after every round, stops honoured, text streamed in whole characters."""
 import pytest
 
+from fakes.clock import FakeClock
+
+from specdec.backends.cost_model import CostModel
 from specdec.backends.fake import FakeBackend
 from specdec.engine.core import Started
 from specdec.engine.decoder import Generation
@@ -131,6 +134,20 @@ def test_each_stream_plans_knowing_the_rows_the_streams_before_it_planned(monkey
     assert sum(extra for plans in rounds for _, extra in plans) > 0  # some rounds proposed
     for plans in rounds:
         assert [before for before, _ in plans] == [sum(extra for _, extra in plans[:i]) for i in range(len(plans))]
+
+
+def test_forwards_shared_by_several_streams_are_measured_for_auto():
+    clock = FakeClock()
+    engine = Engine(FakeBackend(seed=7, clock=clock, step_cost=0.010), n_slots=3, clock=clock)
+    engine.cost_model = cost = CostModel({n: 0.010 * (1 + 0.1 * (n - 1)) for n in range(1, 9)})
+    for prompt in ("abc abc abc", "the the the cat", "the cat sat on the mat"):
+        engine.core.add(request(engine, prompt, "off", max_tokens=60, ignore_eos=True))
+    while engine.core.busy:
+        engine.core.step()
+    # The fake evaluates each sequence of a shared call in turn: 3 x 10 ms for three one-row
+    # sequences, where one sequence's three rows were priced 12 ms.
+    assert cost.shared(3) == pytest.approx(0.030, rel=0.01)
+    assert cost.target(3) == pytest.approx(0.012)  # one sequence's curve: only forwards timed alone
 
 
 def test_max_tokens_and_length_finish():

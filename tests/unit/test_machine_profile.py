@@ -13,11 +13,11 @@ from fakes.clock import FakeClock
 from dataclasses import replace
 
 from specdec import runtime
+from specdec.backends.cost_model import CostModel
 from specdec.backends.fake import FakeBackend
 from specdec.backends.registry import REGISTRY, BackendConfig
 from specdec.cli import build_parser, main
 from specdec.config_flags import config_from_args
-from specdec.backends.cost_model import CostModel
 from specdec.engine.engine import Engine
 from specdec.machine_profile import (MAX_SAVED_COST_MODELS, best_speculative_rate, choose,
                                      cost_models_path, load_or_calibrate, parse_backend_configs, profile_entry,

@@ -14,8 +14,8 @@ from specdec.drafters.policy.estimates import (AcceptanceEstimate, ConfidenceCal
 from specdec.drafters.policy.planner import DraftLength, Offer, Option, draft_could_pay, draft_extent, options, plan
 from specdec.drafters.policy.pricing import (RoundCosts, best_uniform_proposal, cumulative_expected_tokens,
                                              expected_tokens)
-from specdec.drafters.suffix import Evidence
 from specdec.backends.cost_model import CostModel
+from specdec.drafters.suffix import Evidence
 
 
 def linear(step=0.050, per_token=0.045, draft_step=0.02):

@@ -10,8 +10,8 @@ import pytest
 
 from fakes.threads import in_thread, wait_until
 
-from specdec.backends.fake import FakeBackend
 from specdec.backends.cost_model import CalibrationInterrupted, CostModel, implausibility
+from specdec.backends.fake import FakeBackend
 from specdec.engine.engine import Engine
 from specdec.server import ServerConfig, create_app
 from specdec.server.recalibration import RETRY_SECONDS, CostKeeper

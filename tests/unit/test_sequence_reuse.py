@@ -3,8 +3,8 @@ prompts are processed in aligned chunks and only whole chunks (or the very same 
 reused, so a request's output never depends on what its slot held before."""
 from specdec.backends.base import aligned_chunks
 from specdec.backends.fake import FakeBackend
-from specdec.engine.engine import Engine
 from specdec.backends.sequence import CachedSequence
+from specdec.engine.engine import Engine
 from specdec.types import GenerationRequest, SpecConfig
 
 

@@ -36,6 +36,9 @@ class CostModel:
     draft_prefill_seconds: Optional[float] = None  # per token when the draft model catches up in a batch
     smoothing: float = 0.1  # weight of a new observation in the moving average
     observations: dict[int, int] = field(default_factory=dict)
+    # n rows over several sequences -> seconds, as measured while serving (not saved): what a round
+    # shared by several streams costs, which one sequence's calibration prices only roughly.
+    shared_seconds: dict[int, float] = field(default_factory=dict)
 
     def target(self, n: int) -> float:
         """Seconds for n tokens; beyond the measured range, extrapolate the last step linearly."""
@@ -47,6 +50,16 @@ class CostModel:
         last, before = known[-1], known[-2] if len(known) > 1 else known[-1]
         slope = (self.target_seconds[last] - self.target_seconds[before]) / max(1, last - before)
         return self.target_seconds[last] + slope * (n - last)
+
+    def shared(self, n: int) -> float:
+        """Seconds of one forward of n rows over several sequences: as measured while serving,
+        where it was, else as one sequence's n rows."""
+        return self.shared_seconds.get(n) or self.target(n)
+
+    def observe_shared(self, n: int, seconds: float) -> None:
+        """A forward of n rows over several sequences took `seconds`: moved towards it from one
+        sequence's price, so one odd forward does not set the price."""
+        self.shared_seconds[n] = (1 - self.smoothing) * self.shared(n) + self.smoothing * seconds
 
     def relative(self, n: int) -> float:
         """v(n) = t(n) / t(1)."""
@@ -69,6 +82,7 @@ class CostModel:
         if n == 1 and old:
             scale = new / old  # every forward, the draft's too, costs that much more (or less) now
             self.target_seconds = {m: t * scale for m, t in self.target_seconds.items()}
+            self.shared_seconds = {m: t * scale for m, t in self.shared_seconds.items()}
             if self.draft_step_seconds:
                 self.draft_step_seconds *= scale
             if self.draft_prefill_seconds:

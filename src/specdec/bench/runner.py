@@ -32,10 +32,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from specdec.backends.sequence import CachedSequence
 from specdec.bench.datasets import BenchPrompt
 from specdec.bench.records import RecordFile, bench_record
 from specdec.client.records import RequestRecord
-from specdec.backends.sequence import CachedSequence
 from specdec.drafters.registry import calibrated, method_names
 from specdec.types import (DEFAULT_NUM_DRAFT_TOKENS, GenerationRequest, SamplingParams,
                            SpecConfig, SpecdecError)

@@ -31,9 +31,9 @@ from specdec.drafters.policy.planner import DraftLength, Offer, Option
 from specdec.drafters.policy.pricing import RoundCosts, expected_tokens
 from specdec.drafters.policy.priors import (AGREEMENTS, CACHE_PRIORS, MATCH_BUCKETS, NGRAM_PRIORS, by_evidence,
                                             evidence_key, match_bucket)
+from specdec.backends.cost_model import CostModel
 from specdec.drafters.registry import DRAFT_FREE, MODEL_SOURCES  # the proposal sources auto offers
 from specdec.drafters.suffix import SuffixIndex
-from specdec.backends.cost_model import CostModel
 from specdec.types import Proposal, SamplingParams
 
 __all__ = ["AGREEMENTS", "CACHE_PRIORS", "MATCH_BUCKETS", "MAX_MATCH", "NGRAM_PRIORS", "NGRAM_SOURCES",

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Callable, Generator, Optional, Sequence
 
 import numpy as np
 
+from specdec.backends.sequence import CachedSequence
 from specdec.drafters.base import DraftForward, Drafter, DraftReply, DraftSteps, run_alone
 from specdec.drafters.history import TenantHistory
-from specdec.backends.sequence import CachedSequence
 from specdec.sampling.probs import max_probability, one_hot, sample, token_distribution
 from specdec.types import Proposal, SamplingParams
 

@@ -26,10 +26,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Generator, Iterator, Optional, Union
 
+from specdec.backends.sequence import CachedSequence, common_prefix_length
 from specdec.drafters.base import DraftForward, DraftReply
 from specdec.engine.decoder import Generation
 from specdec.engine.prompt_cache import Parked
-from specdec.backends.sequence import CachedSequence, common_prefix_length
 from specdec.sampling.logprobs import token_logprobs
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent, TokenLogprob
 
@@ -488,6 +488,8 @@ class EngineCore:
             t0 = clock()
             rows = target.eval_many(requests)
             seconds = [clock() - t0] * len(requests)
+            if len(requests) > 1 and self.engine.cost_model is not None:  # what `auto` prices shared rounds by
+                self.engine.cost_model.observe_shared(sum(len(tokens) for _, _, tokens in requests), seconds[0])
         else:
             rows, seconds = [], []
             for request in requests:

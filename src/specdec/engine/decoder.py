@@ -13,10 +13,10 @@ from typing import Callable, Generator, Optional
 
 import numpy as np
 
+from specdec.backends.sequence import CachedSequence
 from specdec.drafters.base import DraftForward, Drafter, DraftReply, run_alone
 from specdec.drafters.history import TenantHistory
 from specdec.drafters.registry import OFF
-from specdec.backends.sequence import CachedSequence
 from specdec.engine.stats import GenerationStats
 from specdec.engine.stopping import TextAssembler
 from specdec.grammar.constraint import Constraint

@@ -8,16 +8,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Generator, Iterator, Optional, Sequence, Union
 
 from specdec.backends.base import Backend, check_draft_compatible
+from specdec.backends.cost_model import CostModel, calibrate, calibration_steps
+from specdec.backends.sequence import CachedSequence
 from specdec.drafters import registry as drafting_methods
 from specdec.drafters.base import Drafter
 from specdec.drafters.history import CrossRequestCache
 from specdec.drafters.policy.config import PolicyConfig
 from specdec.drafters.registry import SlotParts
-from specdec.backends.cost_model import CostModel, calibrate, calibration_steps
 from specdec.engine.core import EngineCore
 from specdec.engine.decoder import Generation
 from specdec.engine.prompt_cache import PromptCache
-from specdec.backends.sequence import CachedSequence
 from specdec.grammar.compiler import DEFAULT_TIME_LIMIT, GrammarCompiler
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent
 

@@ -29,8 +29,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Generator, Optional, cast
 
-from specdec.engine import core
 from specdec.backends.cost_model import CostModel
+from specdec.engine import core
 from specdec.engine.engine import Engine
 from specdec.server.config import ServerConfig
 from specdec.server.engine_users import EngineUsers

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from specdec.drafters.model import MAX_JOINED_CATCH_UP
 from specdec.backends.cost_model import CostModel
+from specdec.drafters.model import MAX_JOINED_CATCH_UP
 
 
 def expected_tokens(rates: Sequence[float]) -> float:
@@ -71,8 +71,8 @@ class RoundCosts:
         rows add, t(N + B + rows - 1) - t(N + B)."""
         if self.streams == 1 and not self.rows_before:
             return self.cost.target(rows)
-        held = self.streams + self.rows_before
-        return self.cost.target(self.streams) / self.streams + self.cost.target(held + rows - 1) - self.cost.target(held)
+        held, forward = self.streams + self.rows_before, self.cost.shared  # several sequences' rows
+        return forward(self.streams) / self.streams + forward(held + rows - 1) - forward(held)
 
     def row(self, position: int) -> float:
         """Seconds of verifying the proposal's token at `position` (0-based)."""
