@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 if TYPE_CHECKING:
-    from specdec.drafters.base import Drafter
     from specdec.backends.cost_model import CostModel
-    from specdec.engine.engine import EngineConfig
     from specdec.backends.sequence import CachedSequence
+    from specdec.drafters.base import Drafter
+    from specdec.engine.engine import EngineConfig
 
 
 @dataclass(frozen=True)
