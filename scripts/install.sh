@@ -22,7 +22,7 @@ LLAMA_CPP_PYTHON_VERSION=0.3.36
 IK_LLAMA_CPP_PYTHON_VERSION=0.1.5  # as pinned in pyproject.toml
 TORCH_VERSION=2.13.0  # as pinned in pyproject.toml's torch extra
 PATCH_LEVEL=1  # bump when scripts/patch_llama_cpp.sh changes
-IK_PATCH_LEVEL=6  # bump when scripts/patch_ik_llama_cpp.sh changes
+IK_PATCH_LEVEL=7  # bump when scripts/patch_ik_llama_cpp.sh changes
 SPECDEC_HOME=${SPECDEC_HOME:-$HOME/.cache/specdec}
 
 if [ ! -x .venv/bin/python ]; then

@@ -1,9 +1,11 @@
-"""Turn 2 of a conversation through HTTP, three ways, on one server with one slot (issue 44's
-"turn-N TTFT after eviction within 1.2x of a slot-resident turn"):
+"""Turn 2 of a conversation through HTTP, four ways, on one server with one slot and one parked
+start at most (issue 44's "turn-N TTFT after eviction within 1.2x of a slot-resident turn"):
 
 - resident: turn 1, then turn 2 at once (the slot still holds the conversation);
 - restored: turn 1, another conversation takes the slot (turn 1's prompt start is parked in the
   KV cache, engine/prompt_cache.py), then turn 2;
+- host: turn 1, then two other conversations (the second parks the first other's start, so turn
+  1's gives way and is copied to host memory), then turn 2, loaded from the copy;
 - cold: the same turn 2 sent with `cache_prompt: false` (processed from its first token).
 
 Each repeat uses conversations of their own (a nonce first), the three ways in rotating order.
@@ -27,7 +29,7 @@ from specdec.bench.serving import SpecdecServer, served_model
 from specdec.machine_profile import cpu_model_name
 
 HERE = Path(__file__).resolve().parent
-WAYS = ("resident", "restored", "cold")
+WAYS = ("resident", "restored", "host", "cold")
 
 
 def document(nonce: str, paragraphs: int) -> str:
@@ -64,12 +66,12 @@ def turn(client: httpx.Client, url: str, model: str, messages: list, method: str
 def second_turn(client, url, model, way: str, nonce: str, args) -> dict:
     first = [{"role": "user", "content": document(nonce, args.paragraphs) + "\n\nWhich queue takes kind 3?"}]
     answer = turn(client, url, model, first, args.method, args.max_tokens)["text"]
-    if way == "restored":  # another conversation takes the one slot
-        other = [{"role": "user", "content": document(nonce + "-other", args.paragraphs) + "\n\nWho owns section 2?"}]
+    for other_nonce in {"restored": ["-other"], "host": ["-other", "-third"]}.get(way, []):  # others take the slot
+        other = [{"role": "user", "content": document(nonce + other_nonce, args.paragraphs) + "\n\nWho owns section 2?"}]
         turn(client, url, model, other, args.method, args.max_tokens)
     follow = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And kind 5?"}]
     result = turn(client, url, model, follow, args.method, args.max_tokens, cache_prompt=way != "cold")
-    if way == "restored":  # greedy: the same text as the same turn processed from its first token
+    if way in ("restored", "host"):  # greedy: the same text as the same turn processed from its first token
         result["same_text_as_cold"] = result["text"] == turn(client, url, model, follow, args.method,
                                                              args.max_tokens, cache_prompt=False)["text"]
     return result
@@ -85,7 +87,7 @@ def main() -> int:
     args = parser.parse_args()
     results: dict[str, list[dict]] = {way: [] for way in WAYS}
     log = Path(tempfile.mkdtemp(prefix="specdec-parked-")) / "server.log"
-    with SpecdecServer(1, ["--method", args.method], log) as server, httpx.Client(timeout=900) as client:
+    with SpecdecServer(1, ["--method", args.method, "--set", "engine.parked_prompts=1"], log) as server, httpx.Client(timeout=900) as client:
         model = served_model(server.url)
         for repeat in range(args.repeats):
             for offset in range(len(WAYS)):
@@ -104,6 +106,8 @@ def main() -> int:
                   for way, rows in results.items()}}
     summary["restored_vs_resident"] = summary["restored"]["ttft_median"] / summary["resident"]["ttft_median"]
     summary["restored_texts_as_cold"] = sum(r["same_text_as_cold"] for r in results["restored"])
+    summary["host_vs_resident"] = summary["host"]["ttft_median"] / summary["resident"]["ttft_median"]
+    summary["host_texts_as_cold"] = sum(r["same_text_as_cold"] for r in results["host"])
     print(json.dumps(summary, indent=1))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

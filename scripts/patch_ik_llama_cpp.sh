@@ -37,6 +37,14 @@
 #    declines other head sizes at once, so ggml's own flash attention computes them (slower, never
 #    missing; the build takes half the CPU time: docs/usage.md, "The build"). The library exports
 #    `specdec_fa_head_sizes` (the kept pairs); scripts/check_ik_flash_attention.py checks a build.
+# 6. Cells copied to host memory and back. A prompt start parked in the cache gives way when a
+#    running sequence needs its cells; specdec then keeps it in host memory (engine/
+#    prompt_cache.py): `specdec_kv_read_cells(ctx, cells, n, dst, size)` copies the K and V of the
+#    named cells out, layer by layer (K rows, then V rows or, transposed, each V element's run of
+#    cells), and `specdec_kv_write_cells(ctx, seq_id, cells, positions, n, src, size, n_stored)`
+#    writes the first n of them into free cells that the sequence then holds at those positions,
+#    so the restored cells are the computed ones, bit for bit. `specdec_kv_cell_bytes(ctx)` is one
+#    cell's size.
 set -euo pipefail
 sdist=${1:?usage: patch_ik_llama_cpp.sh IK_LLAMA_CPP_PYTHON_SDIST_DIR}
 python3 - "$sdist" <<'PY'
@@ -268,6 +276,87 @@ extern "C" __attribute__((visibility("default"))) void specdec_kv_set_cells(stru
     ctx->kv_self.specdec_next_n_kv = (uint32_t) n_kv;
 }
 """ + CELLS_MARKER)
+
+# -- 6. cells copied to host memory and back -----------------------------------------------------
+HOST_MARKER = ('extern "C" __attribute__((visibility("default"), used)) '
+               'const char specdec_kv_host[] = "specdec_kv_host";\n')
+if HOST_MARKER not in llama_cpp.read_text():
+    llama_cpp.write_text(llama_cpp.read_text() + """
+// specdec: the K and V of chosen cells copied to host memory and back (scripts/patch_ik_llama_cpp.sh,
+// part 6). The layout follows the cells' order, whatever runs they fall in: per layer the K row of
+// each cell, then its V row, or for a transposed V each element's value in every cell.
+static size_t specdec_cell_bytes(const llama_kv_cache & kv) {
+    size_t bytes = 0;
+    for (size_t il = 0; il < kv.k_l.size(); ++il) {
+        if (kv.k_l[il]) bytes += ggml_nbytes(kv.k_l[il]) / kv.size;
+        if (il < kv.v_l.size() && kv.v_l[il]) bytes += ggml_nbytes(kv.v_l[il]) / kv.size;
+    }
+    return bytes;
+}
+
+// The data holds n_stored cells' values laid out as specdec_kv_read_cells writes them; the first n
+// are copied (n <= n_stored: a restore may take a start of what was saved).
+static void specdec_copy_cells(llama_kv_cache & kv, const int32_t * cells, int32_t n, int32_t n_stored, uint8_t * data, bool out) {
+    size_t section = 0; // where the current tensor's rows, or one V element's values, start in data
+    auto copy = [&](ggml_tensor * t, size_t stride, size_t base) {
+        for (int32_t i = 0; i < n;) {
+            int32_t j = i + 1; // a run of consecutive cells in one call
+            while (j < n && cells[j] == cells[j - 1] + 1) ++j;
+            uint8_t * at = data + section + (size_t) i * stride;
+            if (out) ggml_backend_tensor_get(t, at, base + (size_t) cells[i] * stride, (size_t) (j - i) * stride);
+            else     ggml_backend_tensor_set(t, at, base + (size_t) cells[i] * stride, (size_t) (j - i) * stride);
+            i = j;
+        }
+        section += (size_t) n_stored * stride;
+    };
+    for (size_t il = 0; il < kv.k_l.size(); ++il) {
+        if (ggml_tensor * k = kv.k_l[il]) copy(k, ggml_nbytes(k) / kv.size, 0);
+        ggml_tensor * v = il < kv.v_l.size() ? kv.v_l[il] : nullptr;
+        if (!v) continue;
+        if (!kv.v_trans) {
+            copy(v, ggml_nbytes(v) / kv.size, 0);
+        } else {
+            const size_t element = ggml_element_size(v);
+            const int64_t n_embd = ggml_nelements(v) / kv.size;
+            for (int64_t d = 0; d < n_embd; ++d) copy(v, element, (size_t) d * kv.size * element);
+        }
+    }
+}
+
+extern "C" __attribute__((visibility("default"))) size_t specdec_kv_cell_bytes(struct llama_context * ctx) {
+    return specdec_cell_bytes(ctx->kv_self);
+}
+
+// the cells' K and V into dst (size: n cells' bytes); false if a cell is out of range or empty
+extern "C" __attribute__((visibility("default"))) bool specdec_kv_read_cells(struct llama_context * ctx, const int32_t * cells, int32_t n, void * dst, size_t size) {
+    llama_kv_cache & kv = ctx->kv_self;
+    if (n < 0 || size != (size_t) n * specdec_cell_bytes(kv)) return false;
+    for (int32_t i = 0; i < n; ++i) {
+        if (cells[i] < 0 || (uint32_t) cells[i] >= kv.size || kv.cells[cells[i]].pos < 0) return false;
+    }
+    specdec_copy_cells(kv, cells, n, n, (uint8_t *) dst, true);
+    return true;
+}
+
+// the first n of the n_stored cells in src (from specdec_kv_read_cells; size: n_stored cells' bytes)
+// into free cells, which seq_id then holds at `positions`; false, and nothing written, if a cell
+// is out of range or taken
+extern "C" __attribute__((visibility("default"))) bool specdec_kv_write_cells(struct llama_context * ctx, int32_t seq_id, const int32_t * cells, const int32_t * positions, int32_t n, const void * src, size_t size, int32_t n_stored) {
+    llama_kv_cache & kv = ctx->kv_self;
+    if (n < 0 || n > n_stored || size != (size_t) n_stored * specdec_cell_bytes(kv)) return false;
+    std::set<int32_t> seen;
+    for (int32_t i = 0; i < n; ++i) {
+        if (cells[i] < 0 || (uint32_t) cells[i] >= kv.size || kv.cells[cells[i]].pos >= 0 || !seen.insert(cells[i]).second) return false;
+    }
+    specdec_copy_cells(kv, cells, n, n_stored, (uint8_t *) const_cast<void *>(src), false);
+    for (int32_t i = 0; i < n; ++i) {
+        kv.cells[cells[i]].pos = positions[i];
+        kv.cells[cells[i]].seq_id.insert(seq_id);
+    }
+    kv.used += n;
+    return true;
+}
+""" + HOST_MARKER)
 
 # -- 5. flash-attention kernels for the served head sizes only ----------------------------------
 KEEP_FA_HEAD_SIZES = ("64_64", "128_128")  # Dk_Dv: the default pair's 0.5B draft and 1.5B target

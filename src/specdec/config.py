@@ -85,6 +85,8 @@ def _validate_models(models: ModelConfig) -> None:
 def _validate_engine(engine: EngineConfig) -> None:
     if not 1 <= engine.ngram_min <= engine.ngram_max:
         raise SpecdecError("engine.ngram_min and engine.ngram_max need 1 <= ngram_min <= ngram_max.")
+    if engine.cache_ram_mib is not None and engine.cache_ram_mib < 0:
+        raise SpecdecError("--cache-ram takes MiB, 0 or more (0: no prompt starts kept in host memory).")
 
 
 # -- the keys ---------------------------------------------------------------------------------------

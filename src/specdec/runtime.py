@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from specdec.backends.base import Backend
-from specdec.backends.context_size import ContextPlan, kv_shape, machine_memory, plan_context, weights_bytes
+from specdec.backends.context_size import MIB, ContextPlan, kv_shape, machine_memory, plan_context, weights_bytes
 from specdec.backends.registry import IK_LLAMA_CPP, BackendConfig, ModelConfig, backend_entry, default_backend
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.models.registry import DRAFT, TARGET, ModelSpec, default_path
@@ -101,9 +101,19 @@ def load_engine(config: ModelConfig, n_slots: int = 1, engine: Optional[EngineCo
             target.close()
             raise
     try:
-        return Engine(target, draft, engine or EngineConfig(), n_slots=n_slots, model_config=config)
+        loaded = Engine(target, draft, engine or EngineConfig(), n_slots=n_slots, model_config=config)
     except SpecdecError:
         target.close()
         if draft is not None:
             draft.close()
         raise
+    cache = loaded.prompt_cache
+    if cache is not None:
+        if not cache.host_bytes:
+            host = "none kept in host memory (--cache-ram 0)"
+        elif not target.describe().get("host_copies"):
+            host = "none kept in host memory (this build cannot copy cells out)"
+        else:
+            host = f"those that give way kept in up to {cache.host_bytes / MIB:,.0f} MiB of host memory (--cache-ram)"
+        logger.info(f"prompt cache: up to {cache.capacity} conversations' starts parked in the KV cache; {host}")
+    return loaded

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from specdec.backends.registry import backend_entry
+from specdec.engine.prompt_cache import Saved
 from specdec.types import GenerationRequest, SamplingParams, SpecConfig
 
 from shipped_prompts import shipped_prompts
@@ -349,6 +350,60 @@ def test_a_parked_prompt_start_restores_the_logits_of_processing_from_scratch(re
         assert turn.prefill(next_turn) == length  # the rest, from there on
         restored = turn.extend(tail)
         assert np.array_equal(restored, alone), f"up to {np.abs(restored - alone).max()}"
+    finally:
+        cache.clear()
+        slot.clear()
+        turn.clear()
+
+
+def test_a_prompt_start_copied_to_host_memory_restores_the_logits_of_processing_from_scratch(real_engine):
+    """A parked start that gave way is copied to host memory (engine/prompt_cache.py), its cells
+    then written over by another conversation; the next turn loads the copy into cells of its own,
+    all the slot would have kept, and a prompt diverging inside it loads the whole chunks they
+    share: bit for bit the logits of processing each prompt itself."""
+    cache, target = real_engine.prompt_cache, real_engine.target
+    if cache is None:
+        pytest.skip(f"{target.name} keeps a context per sequence here: nothing to park")
+    assert target.describe()["host_copies"], "specdec's ik build copies cells to host memory (patch part 6)"
+    prompt = next(p for c, p in EQUALITY_PROMPTS if c == "summarization")
+    ids = real_engine.encode_prompt(prompt, chat=True)
+    slot, turn = real_engine.slots[0].target, real_engine.slots[1].target
+    answer = target.tokenize(" The summary: it is short.", add_special=False)
+    follow_up = target.tokenize(" Now say it in French.", add_special=False)
+    next_turn = ids + answer + follow_up[:-1]
+    tail = follow_up[-1:] + target.tokenize(" def f(x): return x", add_special=False)[:5]
+    edited = ids[:300] + target.tokenize(" Something else entirely, then a question.", add_special=False)
+
+    def scratch(prefix, rows):
+        turn.clear()
+        turn.prefill(prefix)
+        logits = turn.extend(rows)
+        turn.clear()
+        return logits
+
+    alone, edited_alone = scratch(next_turn, tail), scratch(edited[:-1], edited[-1:] + tail)
+    try:
+        slot.prefill(ids[:-1])
+        slot.extend(ids[-1:] + answer[:-1])
+        resident = slot.reusable_prefix(next_turn)
+        cache.park(slot, "tenant")
+        slot.clear()
+        assert cache.evict_one() and len(cache) == 0 and cache.saved_count == 1  # gave way: copied
+        slot.prefill(target.tokenize("Another conversation takes the cells. " * 20, add_special=False))
+        saved, length = cache.best("tenant", next_turn)
+        assert isinstance(saved, Saved) and length == resident
+        assert cache.best("someone else", next_turn) == (None, 0)
+        cache.restore(saved, turn, length)
+        assert turn.prefill(next_turn) == length
+        restored = turn.extend(tail)
+        assert np.array_equal(restored, alone), f"up to {np.abs(restored - alone).max()}"
+        turn.clear()
+        saved, length = cache.best("tenant", edited[:-1])
+        assert isinstance(saved, Saved) and length == 300 // target.prefill_alignment * target.prefill_alignment
+        cache.restore(saved, turn, length)  # a start of the copy
+        assert turn.prefill(edited[:-1]) == length
+        restored = turn.extend(edited[-1:] + tail)
+        assert np.array_equal(restored, edited_alone), f"up to {np.abs(restored - edited_alone).max()}"
     finally:
         cache.clear()
         slot.clear()

@@ -125,3 +125,15 @@ def test_room_to_hold_counts_the_blocks_a_sequence_gives_up():
     assert not blocks.room_to_hold(1, 0, 16, 40)
     assert blocks.room_to_hold(1, 0, 16, 32)
     assert blocks.room_to_hold(1, 1, 24, 24)  # what it holds already
+
+
+def test_held_cells_names_the_cells_of_a_sequence_positions_shared_ones_included():
+    blocks = CellBlocks(16, block=4)
+    blocks.cells(0, range(6))  # blocks 0, 1
+    blocks.cells(1, range(3))  # block 2
+    blocks.cells(0, range(6, 9))  # block 3
+    blocks.share(0, 2, 5)  # blocks 0 and 1, the second in part
+    assert blocks.held_cells(0, 9) == [0, 1, 2, 3, 4, 5, 6, 7, 12]
+    assert blocks.held_cells(2, 5) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        blocks.held_cells(1, 5)  # one block: 4 positions at most

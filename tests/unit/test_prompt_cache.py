@@ -7,7 +7,7 @@ from test_server_scheduling import metric
 from test_shared_prompts import BLOCK, alone, run_together
 
 from specdec.backends.fake import FakeBackend
-from specdec.engine.engine import Engine
+from specdec.engine.engine import Engine, EngineConfig
 from specdec.server import ServerConfig, create_app
 from specdec.server.testing import serve_in_thread
 from specdec.types import GenerationRequest, SpecConfig
@@ -216,3 +216,99 @@ def test_a_start_shorter_than_a_block_is_parked_and_restored():
     (tokens, stats), = run_together(engine, [second])
     assert stats["cached_prompt_tokens"] == resident_cached_tokens(first, second) == 4
     assert tokens == alone(second)
+
+
+# -- copies in host memory --------------------------------------------------------------------------
+# A fake whose cells copy out (cell_bytes) and one spare id: the second parked start makes the
+# first give way, copied to host memory.
+def host_engine(cache_ram_mib=None, cell_bytes=16, parked=1):
+    backend = FakeBackend(seed=5, prefix_share_block=BLOCK, parked_sequences=parked, cell_bytes=cell_bytes)
+    return Engine(backend, n_slots=1, config=EngineConfig(cache_ram_mib=cache_ram_mib))
+
+
+def test_a_start_that_gave_way_is_loaded_back_from_host_memory():
+    engine = host_engine()
+    (answer, _), = run_together(engine, [turn(CONVERSATION_A)])
+    run_together(engine, [turn(CONVERSATION_B)])  # A parked
+    run_together(engine, [turn(range(200, 230))])  # B parked: the one spare id is A's, so A gives way
+    cache = engine.prompt_cache
+    assert len(cache) == 1 and cache.saved_count == 1 and cache.stats.saved == 1
+    assert cache.saved_bytes == 59 * 16
+    second = turn(CONVERSATION_A + tuple(answer) + (7, 8, 9), method="off")
+    engine.target.eval_calls.clear()
+    (tokens, stats), = run_together(engine, [second])
+    resident = parking_engine()
+    run_together(resident, [turn(CONVERSATION_A)])
+    (_, kept), = run_together(resident, [second])
+    assert stats["cached_prompt_tokens"] == kept["cached_prompt_tokens"] == 59
+    assert tokens == alone(second)
+    assert prompt_rows(engine.target) == len(second.prompt_token_ids) - 1 - 59
+    assert engine.target.loads == [(0, 59)]
+    assert cache.stats.host_hits == 1 and cache.stats.host_tokens_restored == 59
+    # The copy stays for the conversation's later turns (B's joined it as A's turn took the slot).
+    assert any(saved.sequence.tokens[:50] == CONVERSATION_A for saved in cache._saved)
+
+
+def test_a_prompt_diverging_inside_a_copy_loads_the_start_they_share():
+    engine = host_engine()
+    run_together(engine, [turn(CONVERSATION_A)])
+    run_together(engine, [turn(CONVERSATION_B)])
+    run_together(engine, [turn(range(200, 230))])
+    edited = turn(CONVERSATION_A[:30] + (7,) * 20, method="off")
+    (tokens, stats), = run_together(engine, [edited])
+    assert stats["cached_prompt_tokens"] == 30 and tokens == alone(edited)
+    assert engine.target.loads == [(0, 30)]
+
+
+def test_a_copy_serves_its_own_tenant_only():
+    engine = host_engine()
+    run_together(engine, [turn(CONVERSATION_A, tenant="alice")])
+    run_together(engine, [turn(CONVERSATION_B, tenant="alice")])
+    run_together(engine, [turn(range(200, 230), tenant="alice")])
+    assert engine.prompt_cache.saved_count == 1
+    request = turn(CONVERSATION_A + (7,), tenant="bob")
+    (tokens, stats), = run_together(engine, [request])
+    assert stats["cached_prompt_tokens"] == 0 and tokens == alone(request) and engine.target.loads == []
+
+
+def test_copies_stay_within_their_bound_the_least_recently_used_going_first():
+    # Cells of 16 KiB: a 50-token start's copy is about 0.8 MiB, so 2 MiB hold two.
+    engine = host_engine(cache_ram_mib=2, cell_bytes=16 << 10)
+    starts = [tuple(range(base, base + 50)) for base in (20, 80, 140, 200, 260)]
+    for start in starts:
+        run_together(engine, [turn(start, max_tokens=2)])
+    cache = engine.prompt_cache
+    # 260 in the slot, 200 parked; 20, 80 and 140 gave way in turn, and 20 was dropped for the bound.
+    assert cache.stats.saved == 3 and cache.stats.host_evicted == 1 and cache.saved_count == 2
+    assert cache.saved_bytes <= 2 << 20
+    assert sorted(saved.sequence.tokens[0] for saved in cache._saved) == [80, 140]
+
+
+def test_without_host_memory_a_start_that_gave_way_is_processed_again():
+    engine = host_engine(cache_ram_mib=0)
+    (answer, _), = run_together(engine, [turn(CONVERSATION_A)])
+    run_together(engine, [turn(CONVERSATION_B)])
+    run_together(engine, [turn(range(200, 230))])
+    assert engine.prompt_cache.saved_count == 0 and engine.prompt_cache.stats.evicted == 1
+    (_, stats), = run_together(engine, [turn(CONVERSATION_A + tuple(answer) + (7,))])
+    assert stats["cached_prompt_tokens"] == 0
+
+
+def test_the_server_reports_copies_in_host_memory():
+    backend = FakeBackend(seed=5, prefix_share_block=BLOCK, parked_sequences=1, cell_bytes=16)
+    app = create_app(Engine(backend, n_slots=1), ServerConfig(served_model_name="fake", spec=SpecConfig("off", 0)))
+    conversations = ["the cat sat on the mat " * 8, "a dog ran in the park " * 8, "on the mat the cat " * 8]
+
+    def complete(url, prompt):
+        body = {"model": "fake", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        return httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+
+    with serve_in_thread(app) as (url, _):
+        for prompt in conversations:
+            complete(url, prompt)
+        held = metric(url, "specdec:prompt_cache_host_bytes")
+        assert metric(url, "specdec:prompt_cache_host_prompts") == 1 and held >= BLOCK * 16
+        again = complete(url, conversations[0] + "and then")
+        loaded = metric(url, "specdec:prompt_cache_host_restored_tokens_total")
+        assert metric(url, "specdec:prompt_cache_host_hits_total") == 1 and loaded >= BLOCK
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == loaded

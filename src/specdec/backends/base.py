@@ -68,6 +68,16 @@ class Backend(ABC):
         holds it: keepable)."""
         raise NotImplementedError(f"{self.name} cannot share cached positions between sequences")
 
+    def save_positions(self, seq_id: int, length: int) -> Optional[np.ndarray]:
+        """A copy in host memory of seq_id's cached positions < length (load_positions puts them
+        back, bit for bit), or None where this backend cannot copy its cache out."""
+        return None
+
+    def load_positions(self, seq_id: int, cells: np.ndarray, length: int) -> None:
+        """seq_id (holding nothing) holds the first `length` positions of a save_positions copy, in
+        cells of its own, as if it had computed them."""
+        raise NotImplementedError(f"{self.name} cannot copy its cache back from host memory")
+
     def keepable(self, seq_id: int, length: int) -> int:
         """The longest prefix up to `length` of seq_id's cache that it may truncate to and then
         extend (positions another sequence shares may pin more of it)."""

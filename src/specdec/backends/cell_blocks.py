@@ -52,6 +52,13 @@ class CellBlocks:
             out.append(blocks[index] * self.block + offset)
         return out
 
+    def held_cells(self, seq: int, length: int) -> list[int]:
+        """The cells of `seq`'s positions < length, which it holds (alone or shared)."""
+        blocks = self._blocks.get(seq, [])
+        if len(blocks) * self.block < length:
+            raise ValueError(f"sequence {seq} holds fewer than {length} positions")
+        return [blocks[position // self.block] * self.block + position % self.block for position in range(length)]
+
     def first_cell(self, seq: int) -> int:
         """The first cell of the sequence's first block (a call's attention starts at its sequences' lowest)."""
         return self._blocks[seq][0] * self.block

@@ -39,6 +39,7 @@ class FakeBackend(Backend):
         chat_template: Optional[str] = None,
         prefix_share_block: int = 0,
         parked_sequences: int = 0,
+        cell_bytes: int = 0,
     ):
         # Extra special pieces (e.g. FIM tokens) go last, so that every default id stays as it is.
         self.pieces: list[bytes] = (SPECIAL_PIECES + [bytes([b]) for b in range(32, 127)] + [b"\n"] + WORD_PIECES
@@ -65,6 +66,9 @@ class FakeBackend(Backend):
         self.prefix_share_block = prefix_share_block
         self._blocks = CellBlocks(n_ctx * max_sequences, prefix_share_block) if prefix_share_block else None
         self.parked_sequences = parked_sequences if prefix_share_block else 0
+        # > 0: a cell copied to host memory takes this many bytes (save_positions), as a real KV cell would
+        self.cell_bytes = cell_bytes
+        self.loads: list[tuple[int, int]] = []  # (seq_id, length) per load_positions, for tests
         self._by_piece = {piece: i for i, piece in enumerate(self.pieces)}
         self._max_piece = max(len(p) for p in self.pieces)
 
@@ -149,6 +153,26 @@ class FakeBackend(Backend):
         self._blocks.share(source_seq, seq_id, length)
         self.cache[seq_id] = list(self.cache[source_seq][:length])
         self.shared_prefixes.append((source_seq, seq_id, length))
+
+    def save_positions(self, seq_id: int, length: int) -> Optional[np.ndarray]:
+        if not self.cell_bytes:
+            return None
+        tokens = self.cache.get(seq_id, [])[:length]
+        if len(tokens) != length:
+            raise AssertionError(f"fake backend: sequence {seq_id} holds fewer than {length} positions")
+        # Each cell's bytes carry its token, so a copy put back where it does not belong shows.
+        cells = np.zeros((length, self.cell_bytes), dtype=np.uint8)
+        cells[:, :4] = np.asarray(tokens, dtype="<u4").view(np.uint8).reshape(length, 4)
+        return cells.reshape(-1)
+
+    def load_positions(self, seq_id: int, cells: np.ndarray, length: int) -> None:
+        if self.cache.get(seq_id):
+            raise AssertionError(f"fake backend: sequence {seq_id} loads positions while it holds tokens")
+        rows = cells.reshape(-1, self.cell_bytes)[:length]
+        if self._blocks is not None:
+            self._blocks.cells(seq_id, range(length))
+        self.cache[seq_id] = [int(t) for t in np.ascontiguousarray(rows[:, :4]).view("<u4").reshape(-1)]
+        self.loads.append((seq_id, length))
 
     def has_room(self, seq_id: int, end: int) -> bool:
         return self._blocks is None or end <= 0 or self._blocks.room(seq_id, end)

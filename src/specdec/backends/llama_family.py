@@ -285,6 +285,36 @@ class LlamaFamilyBackend(Backend):
         # The cells get a second owner (no copy): each sequence's attention reads them where they are.
         self._binding.seq_cp(ctx, source, local_id, 0, length)
 
+    def save_positions(self, seq_id: int, length: int) -> Optional[np.ndarray]:
+        if not (self.rules.cell_ranges and self._binding.kv_host) or length <= 0:
+            return None
+        return self._library.call(self._save_positions, seq_id, length)
+
+    def _save_positions(self, seq_id: int, length: int) -> np.ndarray:
+        ctx, local_id = self._context_of(seq_id)
+        cells = self._cell_blocks.held_cells(local_id, length)
+        copy = np.empty(length * self._binding.kv_cell_bytes(ctx), dtype=np.uint8)
+        if not self._binding.kv_read_cells(ctx, (ctypes.c_int32 * length)(*cells), copy):
+            raise SpecdecError(f"{self.name} could not copy sequence {seq_id}'s cells to host memory.")
+        return copy
+
+    def load_positions(self, seq_id: int, cells: np.ndarray, length: int) -> None:
+        if not (self.rules.cell_ranges and self._binding.kv_host):
+            super().load_positions(seq_id, cells, length)
+        self._library.call(self._load_positions, seq_id, cells, length)
+
+    def _load_positions(self, seq_id: int, copy: np.ndarray, length: int) -> None:
+        ctx, local_id = self._context_of(seq_id)
+        cell_bytes = self._binding.kv_cell_bytes(ctx)
+        stored = copy.nbytes // cell_bytes
+        if stored * cell_bytes != copy.nbytes or not 0 < length <= stored:
+            raise SpecdecError(f"a copy of {copy.nbytes} bytes holds no {length} cells of {cell_bytes} bytes.")
+        chosen = self._cell_blocks.cells(local_id, range(length))  # blocks of its own, as its own writes take
+        positions = (ctypes.c_int32 * length)(*range(length))
+        if not self._binding.kv_write_cells(ctx, local_id, (ctypes.c_int32 * length)(*chosen), positions, copy, stored):
+            self._cell_blocks.truncate(local_id, 0)
+            raise SpecdecError(f"{self.name} could not copy cells back into sequence {seq_id}'s.")
+
     def keepable(self, seq_id: int, length: int) -> int:
         if not self.rules.cell_ranges:
             return length
@@ -302,6 +332,7 @@ class LlamaFamilyBackend(Backend):
             "context_per_sequence": self.rules.context_per_sequence,
             "cell_ranges": self.rules.cell_ranges,
             "prefix_share_block": self.prefix_share_block,
+            "host_copies": bool(self.rules.cell_ranges and self._binding.kv_host),  # save_positions works
             "min_rows": self.rules.min_rows,
             "repacked": self.repacked,
             "proposals_only": self.proposals_only,

@@ -15,6 +15,7 @@ them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -46,11 +47,7 @@ class CachedSequence:
 
     def reusable_prefix(self, tokens: Sequence[int]) -> int:
         """How much of `tokens` the cache can serve: the common prefix, cut to whole chunks."""
-        common = common_prefix_length(self.tokens, tokens)
-        if self.alignment > 1:
-            if common >= len(tokens) == self._prefill_end:
-                return self.backend.keepable(self.seq_id, common)  # the same prompt processed the same way
-            common = min(common, self._whole_chunks_end) // self.alignment * self.alignment
+        common = reusable_length(self.tokens, tokens, self.alignment, self._whole_chunks_end, self._prefill_end)
         return self.backend.keepable(self.seq_id, common)
 
     @property
@@ -83,6 +80,25 @@ class CachedSequence:
         self.tokens = source.tokens[:length]
         self._whole_chunks_end = min(length, source._whole_chunks_end) if source.alignment > 1 else length
         self._prefill_end = length if length == source._prefill_end else 0  # the source's very prompt
+
+    def save(self) -> "SavedSequence | None":
+        """A copy in host memory of the positions a later prompt may reuse (restorable()), or None
+        where the backend cannot copy its cache out."""
+        length = self.restorable()
+        cells = self.backend.save_positions(self.seq_id, length) if length else None
+        if cells is None:
+            return None
+        return SavedSequence(tuple(self.tokens[:length]), self.alignment, min(self._whole_chunks_end, length),
+                             self._prefill_end if self._prefill_end == length else 0, cells)
+
+    def load(self, saved: "SavedSequence", length: int) -> None:
+        """Hold the first `length` positions of `saved` (at most its reusable_prefix of a prompt)
+        instead of what this holds, as if this sequence had computed them: the same cells' values."""
+        self.clear()
+        self.backend.load_positions(self.seq_id, saved.cells, length)
+        self.tokens = list(saved.tokens[:length])
+        self._whole_chunks_end = min(length, saved.whole_chunks_end)
+        self._prefill_end = length if length == saved.prefill_end else 0
 
     def reuse_prefix(self, tokens: Sequence[int]) -> int:
         """Keep the reusable cached prefix of `tokens` (prefix caching); returns its length."""
@@ -119,6 +135,32 @@ class CachedSequence:
         self.backend.truncate(self.seq_id, 0)
         self.tokens.clear()
         self._whole_chunks_end = self._prefill_end = 0
+
+
+@dataclass(frozen=True)
+class SavedSequence:
+    """A sequence's reusable positions copied to host memory (CachedSequence.save)."""
+
+    tokens: tuple[int, ...]
+    alignment: int
+    whole_chunks_end: int
+    prefill_end: int  # the length of the prompt it was, where all of it was saved; else 0
+    cells: np.ndarray  # the backend's copy of their cells (uint8)
+
+    def reusable_prefix(self, tokens: Sequence[int]) -> int:
+        return reusable_length(self.tokens, tokens, self.alignment, self.whole_chunks_end, self.prefill_end)
+
+
+def reusable_length(held: Sequence[int], tokens: Sequence[int], alignment: int, whole_chunks_end: int,
+                    prefill_end: int) -> int:
+    """How much of `tokens` positions computed for `held` serve exactly: the common prefix, cut to
+    the whole chunks prompt processing computed, or all of the very prompt processed the same way."""
+    common = common_prefix_length(held, tokens)
+    if alignment > 1:
+        if common >= len(tokens) == prefill_end:
+            return common
+        common = min(common, whole_chunks_end) // alignment * alignment
+    return common
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

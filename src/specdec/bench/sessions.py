@@ -18,8 +18,8 @@ sessions' turns interleave (FIFO) and a session's next turn usually finds its sl
 another conversation; the wait for a slot is the client's (`queued_seconds`), never part of TTFT.
 
 Every server runs alone: for each (repeat, level) each configuration gets a freshly started
-server (one `specdec serve --parallel SLOTS` per method; one llama-server `-np SLOTS` with
-`--cache-ram` per `--session-peer-specs` entry), warmed up by one short unrelated request, then
+server (one `specdec serve --parallel SLOTS` per method; one llama-server `-np SLOTS` per
+`--session-peer-specs` entry; both with the same `--cache-ram`), warmed up by one short unrelated request, then
 stopped; the order of configurations alternates. A fresh server has an empty prompt cache, so
 every block starts cold. Records (session-records.jsonl) are bench/serving.py's `_stream`
 requests; the report (session-report.md/.json) gives per configuration and level the median and
@@ -360,7 +360,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"llama-server configurations: plain, KIND:kK (--spec-type KIND --spec-draft-n-max K), "
                             f"draft:kK (default {DEFAULT_PEER_SPECS})")
     group.add_argument("--cache-ram", type=int, default=DEFAULT_CACHE_RAM_MIB, metavar="MIB",
-                       help=f"llama-server's --cache-ram, MiB of prompt cache in host memory "
+                       help=f"MiB of prompt cache in host memory, llama-server's --cache-ram and specdec serve's "
                             f"(default {DEFAULT_CACHE_RAM_MIB})")
 
 
@@ -425,7 +425,7 @@ def run_cli(args: argparse.Namespace) -> int:
     target, draft = _model_paths(args, need_draft=need_draft)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    serve_args = shlex.split(args.serve_args)
+    serve_args = ["--cache-ram", str(plan.cache_ram_mib), *shlex.split(args.serve_args)]  # the same host memory as the peer
     servers = [SessionServer(f"specdec:{method}", partial(_started, SpecdecServer, plan.slots, serve_args,
                                                           out / f"specdec-serve-{method}.log"), method)
                for method in plan.methods]

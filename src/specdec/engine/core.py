@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Generator, Iterator, Optional, Union
 from specdec.backends.sequence import CachedSequence, common_prefix_length
 from specdec.drafters.base import DraftForward, DraftReply
 from specdec.engine.decoder import Generation
-from specdec.engine.prompt_cache import Parked
+from specdec.engine.prompt_cache import Parked, Saved
 from specdec.sampling.logprobs import token_logprobs
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent, TokenLogprob
 
@@ -304,23 +304,29 @@ class EngineCore:
         # blocks only rise, so a start is taken only if the rest of the prompt and the answer will
         # find blocks above it; processed from scratch, they may sit in free blocks below. If none
         # has room, the longest still held is taken: the request fails alone if it gets that far.
-        options: list[tuple[CachedSequence, int, Optional[Parked]]] = []
+        options: list[tuple[CachedSequence, int, Union[Parked, Saved, None]]] = []
         if parked is not None and length > best:
-            options.append((parked.sequence, length, parked))
+            options.append((parked.sequence if isinstance(parked, Parked) else own, length, parked))
         if source is not None:
             options.append((self.engine.slots[source].target, best, None))
         options += [(own, len(own.tokens), None), (own, 0, None)]
         end = self._expected_end(active.request)
-        chosen = next((option for option in options
-                       if self._room_to_hold(own.seq_id, option[0].seq_id, option[1], end, sparing=option[2])), None)
+
+        def has_room(option: tuple[CachedSequence, int, Union[Parked, Saved, None]]) -> bool:
+            holder, length, entry = option
+            if isinstance(entry, Saved):  # loaded into cells of the request's own: room as for none held
+                return self._room_to_hold(own.seq_id, own.seq_id, 0, end)
+            return self._room_to_hold(own.seq_id, holder.seq_id, length, end, sparing=entry)
+
+        chosen = next((option for option in options if has_room(option)), None)
         if chosen is None:  # every parked start was dropped looking for room
             chosen = next(option for option in options if option[2] is None)
         holder, length, entry = chosen
-        if holder is not own:
-            if cache is not None and entry is not None:
-                cache.restore(entry, own, length)
-            else:
-                own.adopt(holder, length)
+        if cache is not None and entry is not None:
+            cache.restore(entry, own, length)
+            active.admitted.cached_prompt_tokens = length
+        elif holder is not own:
+            own.adopt(holder, length)
             active.admitted.cached_prompt_tokens = length
         elif length < len(own.tokens):
             own.clear()

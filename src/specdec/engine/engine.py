@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Generator, Iterator, Optional, Sequence, Union
 
 from specdec.backends.base import Backend, check_draft_compatible
+from specdec.backends.context_size import MIB, machine_memory
 from specdec.backends.cost_model import CostModel, calibrate, calibration_steps
 from specdec.backends.sequence import CachedSequence
 from specdec.drafters import registry as drafting_methods
@@ -17,7 +18,7 @@ from specdec.drafters.policy.config import PolicyConfig
 from specdec.drafters.registry import SlotParts
 from specdec.engine.core import EngineCore
 from specdec.engine.decoder import Generation
-from specdec.engine.prompt_cache import PromptCache
+from specdec.engine.prompt_cache import PromptCache, default_host_bytes
 from specdec.grammar.compiler import DEFAULT_TIME_LIMIT, GrammarCompiler
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent
 
@@ -163,6 +164,9 @@ class EngineConfig:
     # Prompt starts kept in the KV cache after their slot moved on, where the backend can share
     # cells (engine/prompt_cache.py); 0: none.
     parked_prompts: int = 64
+    # MiB of host memory for parked starts that gave way, where the backend copies cells out
+    # (engine/prompt_cache.py); None: 1/8 of the RAM, at most 8 GiB; 0: none.
+    cache_ram_mib: Optional[int] = None
     cross_request_ngrams: bool = True  # draft from text generated earlier for the same tenant
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # what `auto` tunes its choices with
     grammar_time_limit: Optional[float] = DEFAULT_TIME_LIMIT  # seconds a grammar may compile on admission
@@ -207,7 +211,10 @@ class Engine:
         self.grammars = GrammarCompiler(target, config.grammar_time_limit)  # the vocabulary is read on first use only
         self.prompt_cache: Optional[PromptCache] = None
         if config.prefix_cache and config.parked_prompts > 0 and target.parked_sequences > 0:
-            self.prompt_cache = PromptCache(target, target.max_sequences, min(config.parked_prompts, target.parked_sequences))
+            host_bytes = default_host_bytes(machine_memory()) if config.cache_ram_mib is None \
+                else config.cache_ram_mib * MIB
+            self.prompt_cache = PromptCache(target, target.max_sequences, min(config.parked_prompts, target.parked_sequences),
+                                            host_bytes)
         self.core = EngineCore(self)  # the one driver of its slots, for every caller
 
     def _make_slot(self, seq_id: int) -> Slot:

@@ -19,15 +19,33 @@ the least recently used parked start is dropped until it has room (EngineCore._m
 one when every spare id is taken. A request about to adopt a start checks first that it will have
 room above its blocks, the others dropped if need be (EngineCore._room_to_hold). Never across
 tenants: a start is found only for its own tenant.
+
+A start that gives way is copied to host memory first where the backend can copy its cells out
+(specdec's ik build: save_positions), within a bound of bytes (`--cache-ram`, least recently used
+dropped first), and a later prompt of its tenant that it serves loads it into cells of its own
+(load_positions): the values computed for the first prompt, so bit-identical to processing it
+again. What gives way only for a longer start of its own tenant is not copied.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 from specdec.backends.base import Backend
-from specdec.backends.sequence import CachedSequence
+from specdec.backends.context_size import GIB, Memory
+from specdec.backends.sequence import CachedSequence, SavedSequence
+
+logger = logging.getLogger(__name__)
+
+HOST_SHARE = 1 / 8  # of the machine's RAM, by default, for starts copied to host memory
+HOST_MOST = 8 * GIB  # and at most this (llama-server's --cache-ram default)
+
+
+def default_host_bytes(memory: Memory) -> int:
+    """The host memory copies of parked starts may take when `--cache-ram` is not given."""
+    return int(min(HOST_MOST, memory.total * HOST_SHARE))
 
 
 @dataclass
@@ -38,20 +56,42 @@ class Parked:
 
 
 @dataclass
+class Saved:
+    sequence: SavedSequence  # a parked start's copy in host memory
+    tenant: Optional[str]
+    used: int
+
+
+@dataclass
 class PromptCacheStats:
     parked: int = 0  # starts parked
-    hits: int = 0  # requests that adopted a parked start
+    hits: int = 0  # requests that adopted a parked start or loaded a saved one
     tokens_restored: int = 0  # prompt tokens those requests did not process again
     evicted: int = 0  # starts dropped for room or for a spare id
+    saved: int = 0  # starts copied to host memory as they gave way
+    host_hits: int = 0  # requests that loaded one (counted in hits too)
+    host_tokens_restored: int = 0  # prompt tokens they loaded
+    host_evicted: int = 0  # copies dropped for the bound
 
 
 class PromptCache:
-    def __init__(self, backend: Backend, first_id: int, capacity: int):
+    def __init__(self, backend: Backend, first_id: int, capacity: int, host_bytes: int = 0):
         self.backend = backend
+        self.capacity = capacity  # starts parked at most
         self._free_ids = list(range(first_id, first_id + capacity))
         self._entries: list[Parked] = []
+        self.host_bytes = host_bytes  # the bound on copies in host memory (0: none kept)
+        self._saved: list[Saved] = []
         self._tick: Callable[[], int] = itertools.count(1).__next__
         self.stats = PromptCacheStats()
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(entry.sequence.cells.nbytes for entry in self._saved)
+
+    @property
+    def saved_count(self) -> int:
+        return len(self._saved)
 
     @property
     def held_tokens(self) -> int:
@@ -90,11 +130,12 @@ class PromptCache:
         self._entries.append(Parked(sequence, tenant, self._tick()))
         self.stats.parked += 1
 
-    def best(self, tenant: Optional[str], prompt: Sequence[int]) -> tuple[Optional[Parked], int]:
+    def best(self, tenant: Optional[str], prompt: Sequence[int]) -> tuple[Union[Parked, Saved, None], int]:
         """The tenant's parked start that serves the longest start of `prompt`, and that length:
         all that its slot would have kept for `prompt` where that takes all the start's reusable
-        positions, else the whole blocks of the common start (the rest stays parked)."""
-        best: tuple[Optional[Parked], int] = (None, 0)
+        positions, else the whole blocks of the common start (the rest stays parked); a copy in
+        host memory only where it serves more (loading it copies, adopting does not)."""
+        best: tuple[Union[Parked, Saved, None], int] = (None, 0)
         for entry in self._entries:
             if entry.tenant == tenant:
                 length = entry.sequence.reusable_prefix(prompt)
@@ -102,17 +143,28 @@ class PromptCache:
                     length = entry.sequence.shareable_prefix(prompt)
                 if length > best[1]:
                     best = (entry, length)
+        for saved in self._saved:
+            if saved.tenant == tenant:
+                length = saved.sequence.reusable_prefix(prompt)
+                if length > best[1]:
+                    best = (saved, length)
         return best
 
-    def restore(self, entry: Parked, into: CachedSequence, length: int) -> None:
+    def restore(self, entry: Union[Parked, Saved], into: CachedSequence, length: int) -> None:
         """`into` takes the first `length` positions of `entry` (a length best() gave). A last
         block taken in part becomes into's alone, as into writes its next positions there: the
-        parked start keeps the whole blocks before it, or goes once it has none."""
-        into.adopt(entry.sequence, length)
-        block = self.backend.prefix_share_block
+        parked start keeps the whole blocks before it, or goes once it has none. A copy in host
+        memory is loaded into cells of into's own, and stays."""
         self.stats.hits += 1
         self.stats.tokens_restored += length
         entry.used = self._tick()
+        if isinstance(entry, Saved):
+            into.load(entry.sequence, length)
+            self.stats.host_hits += 1
+            self.stats.host_tokens_restored += length
+            return
+        into.adopt(entry.sequence, length)
+        block = self.backend.prefix_share_block
         if length % block:
             entry.sequence.truncate(length // block * block)
             if not entry.sequence.tokens:
@@ -124,13 +176,43 @@ class PromptCache:
         candidates = [entry for entry in self._entries if entry is not sparing]
         if not candidates:
             return False
-        self._drop(min(candidates, key=lambda entry: entry.used))
+        entry = min(candidates, key=lambda entry: entry.used)
+        self._save(entry)
+        self._drop(entry)
         self.stats.evicted += 1
         return True
 
     def clear(self) -> None:
         for entry in list(self._entries):
             self._drop(entry)
+        self._saved.clear()
+
+    def _save(self, entry: Parked) -> None:
+        """A copy of the start in host memory, unless one of its tenant's already covers it (one it
+        covers goes), within the bound: the least recently used copies go first."""
+        if not self.host_bytes:
+            return
+        tokens = tuple(entry.sequence.tokens[:entry.sequence.restorable()])
+        for saved in list(self._saved):
+            if saved.tenant != entry.tenant:
+                continue
+            if saved.sequence.tokens[:len(tokens)] == tokens:
+                saved.used = max(saved.used, entry.used)
+                return
+            if tokens[:len(saved.sequence.tokens)] == saved.sequence.tokens:
+                self._saved.remove(saved)
+        try:
+            copy = entry.sequence.save()
+        except Exception:  # a start not copied costs its reprocessing later, never the request at hand
+            logger.exception("could not copy a parked prompt start to host memory")
+            return
+        if copy is None or copy.cells.nbytes > self.host_bytes:
+            return
+        while self._saved and self.saved_bytes + copy.cells.nbytes > self.host_bytes:
+            self._saved.remove(min(self._saved, key=lambda saved: saved.used))
+            self.stats.host_evicted += 1
+        self._saved.append(Saved(copy, entry.tenant, entry.used))
+        self.stats.saved += 1
 
     def _drop(self, entry: Parked) -> None:
         self._entries.remove(entry)

@@ -146,16 +146,25 @@ class _PromptCacheCollector(Collector):
 
     def collect(self):
         cache = self.cache()
-        stats, held = (cache.stats, (len(cache), cache.held_tokens)) if cache is not None else (None, (0, 0))
+        stats, held = ((cache.stats, (len(cache), cache.held_tokens, cache.saved_count, cache.saved_bytes))
+                       if cache is not None else (None, (0, 0, 0, 0)))
         for name, text, value in (("parked_prompts", "Prompt starts parked in the KV cache.", held[0]),
-                                  ("parked_prompt_tokens", "Positions the parked prompt starts hold.", held[1])):
+                                  ("parked_prompt_tokens", "Positions the parked prompt starts hold.", held[1]),
+                                  ("prompt_cache_host_prompts", "Prompt starts copied to host memory.", held[2]),
+                                  ("prompt_cache_host_bytes", "Bytes of host memory those copies hold.", held[3])):
             gauge = GaugeMetricFamily(f"specdec:{name}", text, labels=["model_name"])
             gauge.add_metric([self.model_name], value)
             yield gauge
         for name, text, field in (("prompt_cache_hits", "Requests that restored a parked prompt start.", "hits"),
                                   ("prompt_cache_restored_tokens", "Prompt tokens restored, not processed again.",
                                    "tokens_restored"),
-                                  ("prompt_cache_evictions", "Parked prompt starts dropped for room.", "evicted")):
+                                  ("prompt_cache_evictions", "Parked prompt starts dropped for room.", "evicted"),
+                                  ("prompt_cache_host_hits", "Requests that loaded a prompt start from host memory.",
+                                   "host_hits"),
+                                  ("prompt_cache_host_restored_tokens", "Prompt tokens loaded from host memory.",
+                                   "host_tokens_restored"),
+                                  ("prompt_cache_host_evictions", "Copies in host memory dropped for the bound.",
+                                   "host_evicted")):
             counter = CounterMetricFamily(f"specdec:{name}", text, labels=["model_name"])
             counter.add_metric([self.model_name], getattr(stats, field) if stats is not None else 0)
             yield counter

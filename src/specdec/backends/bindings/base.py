@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
 
 
@@ -140,6 +142,22 @@ class LlamaBinding(ABC):
         """The cell of each token of the next decode (an int32 array), and the cells its attention
         spans (n_kv from kv_first, covering every cell of its sequences), where rules say cell_ranges."""
         raise NotImplementedError(f"{self.name} places tokens in cells of its own choosing")
+
+    kv_host: bool = False  # copies cells to host memory and back (kv_read_cells, kv_write_cells)
+
+    def kv_cell_bytes(self, ctx) -> int:
+        """Bytes one cell's K and V take in host memory (every layer)."""
+        raise NotImplementedError(f"{self.name} does not copy cells to host memory")
+
+    def kv_read_cells(self, ctx, cells, destination: np.ndarray) -> bool:
+        """The K and V of the named cells (an int32 array) into `destination` (uint8, their bytes);
+        False where a cell is empty or out of range."""
+        raise NotImplementedError(f"{self.name} does not copy cells to host memory")
+
+    def kv_write_cells(self, ctx, seq_id: int, cells, positions, source: np.ndarray, stored: int) -> bool:
+        """The first len(cells) of the `stored` cells a kv_read_cells copy holds into the named free
+        cells, which seq_id then holds at `positions`; False, nothing written, where one is taken."""
+        raise NotImplementedError(f"{self.name} does not copy cells to host memory")
 
     def seq_cp(self, ctx, source: int, seq_id: int, start: int, end: int) -> None:
         """seq_id also owns source's cells of positions start..end-1 (no copy), where rules say cell_ranges."""

@@ -21,6 +21,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from specdec.backends.bindings.base import ContextOptions, KernelRules, LlamaBinding
 from specdec.types import SpecdecError
 
@@ -151,6 +153,8 @@ ONE_ROW_EXACT_SYMBOL = "specdec_one_row_exact"
 # each sums its attention as alone (docs/exactness.md, "Streams sharing a forward").
 REPACKED_SHARED_RULES = replace(REPACKED_ONE_ROW_EXACT_RULES, context_per_sequence=False, cell_ranges=True)
 KV_CELLS_SYMBOL = "specdec_kv_cells"
+# And copies cells out to host memory and back (patch part 6): parked prompt starts kept in RAM.
+KV_HOST_SYMBOL = "specdec_kv_host"
 # Exported by the same build where a one-row call may carry embeddings (unpatched, it dies).
 EMBEDDINGS_ONE_ROW_SYMBOL = "specdec_embeddings_one_row"
 
@@ -221,6 +225,14 @@ class IkLlamaBinding(LlamaBinding):
             self._lib.specdec_kv_set_cells.argtypes = [_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32, ctypes.c_int32,
                                                         ctypes.c_int32]
             self._lib.specdec_kv_set_cells.restype = None
+        if self.kv_host:
+            cells = ctypes.POINTER(ctypes.c_int32)
+            self._lib.specdec_kv_cell_bytes.argtypes, self._lib.specdec_kv_cell_bytes.restype = [_p], ctypes.c_size_t
+            self._lib.specdec_kv_read_cells.argtypes = [_p, cells, ctypes.c_int32, ctypes.c_void_p, ctypes.c_size_t]
+            self._lib.specdec_kv_read_cells.restype = ctypes.c_bool
+            self._lib.specdec_kv_write_cells.argtypes = [_p, ctypes.c_int32, cells, cells, ctypes.c_int32, ctypes.c_void_p,
+                                                          ctypes.c_size_t, ctypes.c_int32]
+            self._lib.specdec_kv_write_cells.restype = ctypes.c_bool
         self._silence = log_callback_type(lambda level, text, user_data: None)  # kept: C calls it
         if not os.environ.get("SPECDEC_LLAMA_LOG"):
             self._lib.llama_log_set(self._silence, None)
@@ -241,6 +253,11 @@ class IkLlamaBinding(LlamaBinding):
     def kv_cells(self) -> bool:
         """Whether this build stores tokens at the cells the caller names (patched)."""
         return hasattr(self._lib, KV_CELLS_SYMBOL)
+
+    @property
+    def kv_host(self) -> bool:
+        """Whether this build copies cells to host memory and back (patched)."""
+        return hasattr(self._lib, KV_HOST_SYMBOL)
 
     def rules(self, exact: bool, repacked: bool = False) -> KernelRules:
         if not exact:
@@ -289,6 +306,16 @@ class IkLlamaBinding(LlamaBinding):
     # -- evaluation --------------------------------------------------------------------------
     def set_cells(self, ctx, cells, kv_first: int, n_kv: int) -> None:
         self._lib.specdec_kv_set_cells(ctx, cells, len(cells), kv_first, n_kv)
+
+    def kv_cell_bytes(self, ctx) -> int:
+        return self._lib.specdec_kv_cell_bytes(ctx)
+
+    def kv_read_cells(self, ctx, cells, destination: np.ndarray) -> bool:
+        return self._lib.specdec_kv_read_cells(ctx, cells, len(cells), destination.ctypes.data, destination.nbytes)
+
+    def kv_write_cells(self, ctx, seq_id: int, cells, positions, source: np.ndarray, stored: int) -> bool:
+        return self._lib.specdec_kv_write_cells(ctx, seq_id, cells, positions, len(cells), source.ctypes.data,
+                                                source.nbytes, stored)
 
     def seq_rm(self, ctx, seq_id: int, start: int) -> bool:
         return bool(self._lib.llama_kv_cache_seq_rm(ctx, seq_id, start, -1))
