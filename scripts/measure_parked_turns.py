@@ -8,10 +8,12 @@ start at most (issue 44's "turn-N TTFT after eviction within 1.2x of a slot-resi
   1's gives way and is copied to host memory), then turn 2, loaded from the copy;
 - cold: the same turn 2 sent with `cache_prompt: false` (processed from its first token).
 
-Each repeat uses conversations of their own (a nonce first), the three ways in rotating order.
-Not run in CI.
+Each repeat uses conversations of their own (a nonce first), the ways in rotating order. With
+`--llama-server PATH`, the same turns go to llama-server too (one slot, its prompt cache in host
+memory with `--cache-ram 8192`, its own default besides): each server alone, a fresh one per
+repeat, the order of servers alternating. Not run in CI.
 
-    .venv/bin/python scripts/measure_parked_turns.py [--repeats 3] [--method off] [--out FILE]
+    .venv/bin/python scripts/measure_parked_turns.py [--repeats 3] [--method off] [--llama-server PATH] [--out FILE]
 """
 from __future__ import annotations
 
@@ -25,8 +27,12 @@ from pathlib import Path
 
 import httpx
 
+from specdec.bench.peers import LlamaServer, ServerOptions
 from specdec.bench.serving import SpecdecServer, served_model
+from specdec.bench.sessions import PEER_CTX_FLOOR
 from specdec.machine_profile import cpu_model_name
+from specdec.models.registry import TARGET
+from specdec.runtime import resolve_model
 
 HERE = Path(__file__).resolve().parent
 WAYS = ("resident", "restored", "host", "cold")
@@ -77,37 +83,59 @@ def second_turn(client, url, model, way: str, nonce: str, args) -> dict:
     return result
 
 
+def summarize(results: dict[str, list[dict]]) -> dict:
+    cold = statistics.median(r["ttft"] for r in results["cold"])
+    summary: dict = {way: {"ttft_median": statistics.median(r["ttft"] for r in rows),
+                           "ttft_range": [min(r["ttft"] for r in rows), max(r["ttft"] for r in rows)],
+                           "ttft_vs_cold": statistics.median(r["ttft"] for r in rows) / cold,
+                           "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rows),
+                           "cached_tokens": statistics.median(r["cached_tokens"] or 0 for r in rows)}
+                     for way, rows in results.items()}
+    for way in ("restored", "host"):
+        summary[f"{way}_vs_resident"] = summary[way]["ttft_median"] / summary["resident"]["ttft_median"]
+        summary[f"{way}_texts_as_cold"] = sum(r["same_text_as_cold"] for r in results[way])
+    return summary
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--paragraphs", type=int, default=30, help="length of the first turn (about 60 tokens each)")
     parser.add_argument("--method", default="off")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--llama-server", default=None, metavar="PATH", help="also measure this llama-server binary")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {way: [] for way in WAYS}
-    log = Path(tempfile.mkdtemp(prefix="specdec-parked-")) / "server.log"
-    with SpecdecServer(1, ["--method", args.method, "--set", "engine.parked_prompts=1"], log) as server, httpx.Client(timeout=900) as client:
-        model = served_model(server.url)
+    logs = Path(tempfile.mkdtemp(prefix="specdec-parked-"))
+
+    def specdec(repeat: int):  # one slot, one parked start at most: the host way's start gives way
+        return SpecdecServer(1, ["--method", args.method, "--set", "engine.parked_prompts=1"], logs / f"specdec-{repeat}.log")
+
+    def llama_server(repeat: int):
+        target = str(resolve_model(None, TARGET))
+        options = ServerOptions(args.llama_server, target, ctx_size=PEER_CTX_FLOOR, slots=1, cache_ram_mib=8192)
+        return LlamaServer(options, logs / f"llama-server-{repeat}.log")
+
+    servers = {"specdec": specdec, **({"llama-server": llama_server} if args.llama_server else {})}
+    results: dict[str, dict[str, list[dict]]] = {name: {way: [] for way in WAYS} for name in servers}
+    with httpx.Client(timeout=900) as client:
         for repeat in range(args.repeats):
-            for offset in range(len(WAYS)):
-                way = WAYS[(repeat + offset) % len(WAYS)]
-                result = second_turn(client, server.url, model, way, f"r{repeat}-{way}", args)
-                results[way].append(result)
-                print(json.dumps({"repeat": repeat, "way": way, **{k: v for k, v in result.items() if k != "text"}}),
-                      flush=True)
-    cold = statistics.median(r["ttft"] for r in results["cold"])
-    summary = {"cpu": cpu_model_name(), "method": args.method, "repeats": args.repeats, "server_log": str(log),
-               **{way: {"ttft_median": statistics.median(r["ttft"] for r in rows),
-                        "ttft_range": [min(r["ttft"] for r in rows), max(r["ttft"] for r in rows)],
-                        "ttft_vs_cold": statistics.median(r["ttft"] for r in rows) / cold,
-                        "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rows),
-                        "cached_tokens": statistics.median(r["cached_tokens"] for r in rows)}
-                  for way, rows in results.items()}}
-    summary["restored_vs_resident"] = summary["restored"]["ttft_median"] / summary["resident"]["ttft_median"]
-    summary["restored_texts_as_cold"] = sum(r["same_text_as_cold"] for r in results["restored"])
-    summary["host_vs_resident"] = summary["host"]["ttft_median"] / summary["resident"]["ttft_median"]
-    summary["host_texts_as_cold"] = sum(r["same_text_as_cold"] for r in results["host"])
+            names = list(servers)[::-1 if repeat % 2 else 1]
+            for name in names:
+                with servers[name](repeat) as server:
+                    model = served_model(server.url)
+                    for offset in range(len(WAYS)):
+                        way = WAYS[(repeat + offset) % len(WAYS)]
+                        result = second_turn(client, server.url, model, way, f"r{repeat}-{way}", args)
+                        results[name][way].append(result)
+                        print(json.dumps({"server": name, "repeat": repeat, "way": way,
+                                          **{k: v for k, v in result.items() if k != "text"}}), flush=True)
+    summary = {"cpu": cpu_model_name(), "method": args.method, "repeats": args.repeats, "logs": str(logs),
+               **summarize(results["specdec"])}
+    if args.llama_server:
+        peer = summary["llama-server"] = summarize(results["llama-server"])
+        summary["specdec_vs_llama_server"] = {way: summary[way]["ttft_median"] / peer[way]["ttft_median"]
+                                              for way in WAYS}
     print(json.dumps(summary, indent=1))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -116,4 +116,6 @@ def load_engine(config: ModelConfig, n_slots: int = 1, engine: Optional[EngineCo
         else:
             host = f"those that give way kept in up to {cache.host_bytes / MIB:,.0f} MiB of host memory (--cache-ram)"
         logger.info(f"prompt cache: up to {cache.capacity} conversations' starts parked in the KV cache; {host}")
+        if loaded.prompt_cache_folder is not None:
+            logger.info(f"prompt cache: {cache.saved_count} starts read from {loaded.prompt_cache_folder}")
     return loaded

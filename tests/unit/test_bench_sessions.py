@@ -409,7 +409,9 @@ def test_the_command_runs_specdec_and_llama_server_each_alone_and_writes_the_rep
                  "--peer", f"llama-server={binary}", "--session-peer-specs", "plain,ngram-mod:k16", "--cache-ram",
                  "1024", "--max-tokens", "8", "--serve-args", "--ctx-size 4096", "--out", str(out))
     assert bench_cli.run(args) == 0
-    off, ngram = ((2, ["--ctx-size", "4096"], f"specdec-serve-{method}.log") for method in ("off", "ngram"))
+    # The same host memory for prompts as llama-server's --cache-ram
+    off, ngram = ((2, ["--cache-ram", "1024", "--ctx-size", "4096"], f"specdec-serve-{method}.log")
+                  for method in ("off", "ngram"))
     assert started == [off, ngram, ngram, off]  # a fresh server per level (1, 3), the order alternating
     commands = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(commands) == 4  # two configurations x two levels, each started alone

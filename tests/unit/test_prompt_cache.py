@@ -312,3 +312,59 @@ def test_the_server_reports_copies_in_host_memory():
         loaded = metric(url, "specdec:prompt_cache_host_restored_tokens_total")
         assert metric(url, "specdec:prompt_cache_host_hits_total") == 1 and loaded >= BLOCK
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == loaded
+
+
+# -- across restarts ---------------------------------------------------------------------------------
+def kept_engine(folder, n_ctx=2048):
+    backend = FakeBackend(seed=5, prefix_share_block=BLOCK, parked_sequences=1, cell_bytes=16, n_ctx=n_ctx)
+    return Engine(backend, n_slots=1, config=EngineConfig(prompt_cache_dir=str(folder)))
+
+
+def test_conversations_held_at_a_stop_are_loaded_by_the_next_start(tmp_path):
+    engine = kept_engine(tmp_path)
+    (answer, _), = run_together(engine, [turn(CONVERSATION_A)])
+    run_together(engine, [turn(CONVERSATION_B, tenant="bob")])  # A parked, B in the slot
+    assert engine.write_prompt_cache() == 2
+    assert {path.stat().st_mode & 0o777 for path in engine.prompt_cache_folder.iterdir()} == {0o600}
+    restarted = kept_engine(tmp_path)
+    assert restarted.prompt_cache.saved_count == 2 and restarted.prompt_cache_folder == engine.prompt_cache_folder
+    second = turn(CONVERSATION_A + tuple(answer) + (7, 8, 9), method="off")
+    (tokens, stats), = run_together(restarted, [second])
+    assert stats["cached_prompt_tokens"] == 59 and tokens == alone(second)
+    assert restarted.target.loads == [(0, 59)]
+    # Tenants stay apart: alice's start does not serve bob, bob's own does.
+    (_, stats), = run_together(restarted, [turn(CONVERSATION_A + (7,), tenant="bob")])
+    assert stats["cached_prompt_tokens"] == 0
+    (tokens, stats), = run_together(restarted, [turn(CONVERSATION_B + (7,), tenant="bob", method="off")])
+    assert stats["cached_prompt_tokens"] >= 48 and tokens == alone(turn(CONVERSATION_B + (7,), tenant="bob", method="off"))
+
+
+def test_another_setup_reads_nothing_and_a_damaged_file_is_skipped(tmp_path):
+    engine = kept_engine(tmp_path)
+    run_together(engine, [turn(CONVERSATION_A)])
+    run_together(engine, [turn(CONVERSATION_B)])
+    engine.write_prompt_cache()
+    other = kept_engine(tmp_path, n_ctx=1024)  # another context: another folder
+    assert other.prompt_cache_folder != engine.prompt_cache_folder and other.prompt_cache.saved_count == 0
+    first = sorted(engine.prompt_cache_folder.iterdir())[0]
+    first.write_bytes(first.read_bytes()[:100])
+    assert kept_engine(tmp_path).prompt_cache.saved_count == 1
+
+
+def test_a_server_writes_its_conversations_when_it_stops_and_the_next_one_serves_them(tmp_path):
+    prompt = "the cat sat on the mat " * 8
+
+    def complete(url, text):
+        body = {"model": "fake", "prompt": text, "max_tokens": 4, "temperature": 0}
+        return httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+
+    def server():
+        return serve_in_thread(create_app(kept_engine(tmp_path), ServerConfig(served_model_name="fake",
+                                                                                spec=SpecConfig("off", 0))))
+
+    with server() as (url, _):
+        first = complete(url, prompt)
+    with server() as (url, _):
+        again = complete(url, prompt + first["choices"][0]["text"] + " and then")
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK
+        assert metric(url, "specdec:prompt_cache_host_hits_total") == 1

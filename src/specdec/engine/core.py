@@ -233,6 +233,11 @@ class EngineCore:
         if active.request.prompt_logprobs is not None:
             active.prompt_logprobs, active.scoring = [], True
 
+    @property
+    def slot_tenants(self) -> list[Optional[str]]:
+        """The tenant whose text each slot holds (None: anonymous, or nothing)."""
+        return list(self._slot_tenant)
+
     def _park(self, active: _Active) -> None:
         """Keep what the slot holds in the prompt cache (prompt_cache.py) where the request would
         drop some of it: another conversation takes the slot. Parking costs the request what it

@@ -1,10 +1,13 @@
 """The engine: a target backend, an optional draft backend, and the drafters built on them."""
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Generator, Iterator, Optional, Sequence, Union
 
 from specdec.backends.base import Backend, check_draft_compatible
@@ -167,6 +170,9 @@ class EngineConfig:
     # MiB of host memory for parked starts that gave way, where the backend copies cells out
     # (engine/prompt_cache.py); None: 1/8 of the RAM, at most 8 GiB; 0: none.
     cache_ram_mib: Optional[int] = None
+    # A folder the copies are written to when the server stops and read from when one starts with
+    # the same machine, models and build (engine/prompt_cache.py); None: lost on restart.
+    prompt_cache_dir: Optional[str] = None
     cross_request_ngrams: bool = True  # draft from text generated earlier for the same tenant
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # what `auto` tunes its choices with
     grammar_time_limit: Optional[float] = DEFAULT_TIME_LIMIT  # seconds a grammar may compile on admission
@@ -215,6 +221,8 @@ class Engine:
                 else config.cache_ram_mib * MIB
             self.prompt_cache = PromptCache(target, target.max_sequences, min(config.parked_prompts, target.parked_sequences),
                                             host_bytes)
+            if self.prompt_cache_folder is not None and self.prompt_cache_folder.is_dir():
+                self.prompt_cache.read(self.prompt_cache_folder)
         self.core = EngineCore(self)  # the one driver of its slots, for every caller
 
     def _make_slot(self, seq_id: int) -> Slot:
@@ -319,6 +327,28 @@ class Engine:
     def reset_cross_request_state(self) -> None:
         """Forget every tenant's cross-request history (the benchmark's runs start equal)."""
         self.cross_request.reset()
+
+    @property
+    def prompt_cache_folder(self) -> Optional[Path]:
+        """Where this setup's prompt starts are kept across restarts: a folder per machine, models
+        and library build (their cells' values are those of this very computation)."""
+        if self.config.prompt_cache_dir is None:
+            return None
+        from specdec.machine_profile import setup_key
+
+        library = self.target.describe().get("library")
+        stamp = [os.stat(library).st_size, os.stat(library).st_mtime_ns] if library and os.path.exists(library) else None
+        digest = hashlib.sha256(json.dumps([setup_key(self), stamp]).encode()).hexdigest()[:16]
+        return Path(self.config.prompt_cache_dir).expanduser() / digest
+
+    def write_prompt_cache(self) -> int:
+        """Every conversation start this engine holds, written to its prompt cache folder (at a
+        stop, once nothing runs); how many."""
+        folder, cache = self.prompt_cache_folder, self.prompt_cache
+        if folder is None or cache is None:
+            return 0
+        cache.copy_everything([(slot.target, tenant) for slot, tenant in zip(self.slots, self.core.slot_tenants)])
+        return cache.write(folder)
 
     def close(self) -> None:
         self.target.close()

@@ -25,13 +25,23 @@ A start that gives way is copied to host memory first where the backend can copy
 dropped first), and a later prompt of its tenant that it serves loads it into cells of its own
 (load_positions): the values computed for the first prompt, so bit-identical to processing it
 again. What gives way only for a longer start of its own tenant is not copied.
+
+With a folder to keep them in (`--prompt-cache-dir`), a server that stops writes there copies of
+all it holds (the slots' conversations, the parked starts and the copies), and a server started
+later on the same machine, models and build reads them back into host memory.
 """
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
+import zipfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
 
 from specdec.backends.base import Backend
 from specdec.backends.context_size import GIB, Memory
@@ -177,7 +187,7 @@ class PromptCache:
         if not candidates:
             return False
         entry = min(candidates, key=lambda entry: entry.used)
-        self._save(entry)
+        self._copy(entry.sequence, entry.tenant, entry.used)
         self._drop(entry)
         self.stats.evicted += 1
         return True
@@ -187,32 +197,83 @@ class PromptCache:
             self._drop(entry)
         self._saved.clear()
 
-    def _save(self, entry: Parked) -> None:
+    def _copy(self, sequence: CachedSequence, tenant: Optional[str], used: int) -> None:
         """A copy of the start in host memory, unless one of its tenant's already covers it (one it
         covers goes), within the bound: the least recently used copies go first."""
         if not self.host_bytes:
             return
-        tokens = tuple(entry.sequence.tokens[:entry.sequence.restorable()])
+        tokens = tuple(sequence.tokens[:sequence.restorable()])
         for saved in list(self._saved):
-            if saved.tenant != entry.tenant:
+            if saved.tenant != tenant:
                 continue
             if saved.sequence.tokens[:len(tokens)] == tokens:
-                saved.used = max(saved.used, entry.used)
+                saved.used = max(saved.used, used)
                 return
             if tokens[:len(saved.sequence.tokens)] == saved.sequence.tokens:
                 self._saved.remove(saved)
         try:
-            copy = entry.sequence.save()
+            copy = sequence.save()
         except Exception:  # a start not copied costs its reprocessing later, never the request at hand
-            logger.exception("could not copy a parked prompt start to host memory")
+            logger.exception("could not copy a prompt start to host memory")
             return
-        if copy is None or copy.cells.nbytes > self.host_bytes:
-            return
-        while self._saved and self.saved_bytes + copy.cells.nbytes > self.host_bytes:
-            self._saved.remove(min(self._saved, key=lambda saved: saved.used))
+        if copy is not None:
+            self._hold(Saved(copy, tenant, used))
+            self.stats.saved += 1
+
+    def _hold(self, saved: Saved) -> bool:
+        """Keep `saved` within the bound, the least recently used copies dropped for it."""
+        if saved.sequence.cells.nbytes > self.host_bytes:
+            return False
+        while self._saved and self.saved_bytes + saved.sequence.cells.nbytes > self.host_bytes:
+            self._saved.remove(min(self._saved, key=lambda held: held.used))
             self.stats.host_evicted += 1
-        self._saved.append(Saved(copy, entry.tenant, entry.used))
-        self.stats.saved += 1
+        self._saved.append(saved)
+        return True
+
+    # -- across restarts (--prompt-cache-dir) ----------------------------------------------------
+    def copy_everything(self, slots: Sequence[tuple[CachedSequence, Optional[str]]]) -> None:
+        """Copies of every parked start and of what the slots hold (the most recent), as at shutdown."""
+        for entry in sorted(self._entries, key=lambda entry: entry.used):
+            self._copy(entry.sequence, entry.tenant, entry.used)
+        for sequence, tenant in slots:
+            if sequence.tokens:
+                self._copy(sequence, tenant, self._tick())
+
+    def write(self, folder: Path) -> int:
+        """The copies in host memory into `folder` (in place of what it held), least recently used
+        first; how many."""
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for old in folder.glob("*.npz"):
+            old.unlink()
+        held = sorted(self._saved, key=lambda saved: saved.used)
+        for index, saved in enumerate(held):
+            copy = saved.sequence
+            meta = {"tenant": saved.tenant, "alignment": copy.alignment, "whole_chunks_end": copy.whole_chunks_end,
+                    "prefill_end": copy.prefill_end}
+            with open(folder / f"{index:05d}.npz", "wb", opener=lambda path, flags: os.open(path, flags, 0o600)) as file:
+                np.savez(file, cells=copy.cells, tokens=np.asarray(copy.tokens, dtype=np.int64),
+                         meta=np.asarray(json.dumps(meta)))
+        return len(held)
+
+    def read(self, folder: Path) -> int:
+        """Copies written by write() back into host memory, within the bound (the most recent kept);
+        how many. A file that does not read as one is skipped."""
+        loaded = 0
+        for path in sorted(folder.glob("*.npz")):
+            try:
+                with np.load(path, allow_pickle=False) as data:
+                    meta = json.loads(str(data["meta"]))
+                    copy = SavedSequence(tuple(int(t) for t in data["tokens"]), int(meta["alignment"]),
+                                         int(meta["whole_chunks_end"]), int(meta["prefill_end"]), data["cells"])
+                tenant = meta["tenant"]
+                if copy.cells.dtype != np.uint8 or not copy.tokens or copy.cells.nbytes % len(copy.tokens) \
+                        or not (tenant is None or isinstance(tenant, str)):
+                    raise ValueError("not a prompt start's copy")
+            except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as exc:
+                logger.warning("skipping %s: %s", path, exc)
+                continue
+            loaded += self._hold(Saved(copy, tenant, self._tick()))
+        return loaded
 
     def _drop(self, entry: Parked) -> None:
         self._entries.remove(entry)

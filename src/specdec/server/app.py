@@ -70,6 +70,12 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None,
             await drain.run()  # already over under `specdec serve`, which drains before it stops listening
             if not scheduler.stop(timeout=15.0):
                 logger.error("the scheduler's worker is still inside a backend call; the models stay loaded")
+            elif scheduler.engine.prompt_cache_folder is not None:
+                try:  # nothing runs now: the conversations held go to disk for the next start
+                    written = await anyio.to_thread.run_sync(scheduler.engine.write_prompt_cache)
+                    logger.info("wrote %d conversations' prompt starts to %s", written, scheduler.engine.prompt_cache_folder)
+                except Exception:
+                    logger.exception("could not write the prompt cache")
 
     app = FastAPI(title="specdec", version=getattr(specdec, "__version__", "0"), lifespan=lifespan,
                   description="OpenAI-compatible server with lossless speculative decoding.")

@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-ram", type=int, default=None, metavar="MIB", action=Setting, key="engine.cache_ram_mib",
                         help="MiB of host memory for conversations' prompt starts that gave way in the KV cache, "
                              "restored from there exactly (default: 1/8 of the RAM, at most 8192; 0: none)")
+    parser.add_argument("--prompt-cache-dir", default=None, metavar="DIR", action=Setting, key="engine.prompt_cache_dir",
+                        help="keep conversations' prompt starts across restarts: written there when the server stops, "
+                             "read back when it starts on the same machine, models and build (off by default: the "
+                             "files hold the conversations' tokens)")
     parser.add_argument("--max-queue", type=int, default=SERVER.max_queue, action=Setting, key="server.max_queue",
                         help=f"requests waiting for a slot before new ones get 429 (default {SERVER.max_queue})")
     parser.add_argument("--max-tokens", type=int, default=SERVER.max_tokens, action=Setting, key="server.max_tokens",
