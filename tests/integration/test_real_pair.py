@@ -228,15 +228,14 @@ def test_sequences_verified_together_get_the_logits_each_gets_alone(each_engine)
 
 def test_prefix_reuse_gives_the_logits_of_processing_from_scratch(each_engine):
     """A prompt whose slot held another prompt sharing a prefix with it gets, bit for bit, the
-    next-token logits of processing it from scratch: llama.cpp's results for a prompt position
-    depend on the batch it was computed in, so prompts are processed in aligned chunks and only
-    whole chunks are reused (backends/sequence.py)."""
+    next-token logits of processing it from scratch: where llama.cpp's results for a prompt
+    position depend on the batch it was computed in, prompts are processed in aligned chunks and
+    only whole chunks are reused (backends/sequence.py); elsewhere all of the common prefix."""
     prompt = next(p for c, p in EQUALITY_PROMPTS if c == "summarization")
     ids = each_engine.encode_prompt(prompt, chat=True)
     detour = each_engine.target.tokenize(" Something else entirely, then more words.", add_special=False)
     seq = each_engine.target_sequence
     alignment = seq.alignment
-    assert alignment > 1
 
     def next_token_logits(held=None):
         seq.clear()
@@ -256,6 +255,37 @@ def test_prefix_reuse_gives_the_logits_of_processing_from_scratch(each_engine):
     logits, reused = next_token_logits(ids[:-1])  # the very same prompt before: all of it reused
     assert reused == len(ids) - 1
     assert np.array_equal(logits, scratch)
+
+
+def test_a_next_turn_reuses_the_answer_as_decoded_where_the_build_computes_positions_alike(real_engine):
+    """On specdec's build of ik (one-row kernels patched, weights repacked) a position holds the
+    same K and V whether a prompt chunk of any size or start, a decode step or a verification
+    computed it (prefill_alignment 1): a conversation's next turn reuses the previous turn's
+    prompt and its answer as they were decoded, and gets bit for bit the logits of processing its
+    prompt from scratch in 64-row chunks."""
+    seq, target = real_engine.target_sequence, real_engine.target
+    if seq.alignment != 1:
+        pytest.skip(f"{target.name} reuses only whole prompt chunks here (prefill_alignment {seq.alignment})")
+    prompt = next(p for c, p in EQUALITY_PROMPTS if c == "summarization")
+    ids = real_engine.encode_prompt(prompt, chat=True)[:300]
+    answer = target.tokenize(" The summary: it is short, and it ends here.", add_special=False)
+    next_turn = ids + answer + target.tokenize(" Now say it in French?", add_special=False)
+    seq.clear()
+    seq.prefill(next_turn[:-1])
+    scratch = seq.extend(next_turn[-1:])
+    try:
+        seq.clear()
+        seq.prefill(ids[:-1])  # the first turn as served: its prompt, the first token's step,
+        seq.extend(ids[-1:])
+        seq.extend(answer[:1])
+        seq.extend(answer[1:5])  # a verification of four rows,
+        for token in answer[5:]:  # and one-token steps
+            seq.extend([token])
+        assert seq.prefill(next_turn[:-1]) == len(ids) + len(answer)
+        reused = seq.extend(next_turn[-1:])
+        assert np.array_equal(reused, scratch), f"up to {np.abs(reused - scratch).max()}"
+    finally:
+        seq.clear()
 
 
 def test_special_token_text_in_a_message_stays_text_on_the_real_tokenizer(real_engine):

@@ -146,7 +146,10 @@ REPACKED_EXACT_RULES = KernelRules(max_decode_rows=64, prefill_alignment=64, max
                                    context_per_sequence=True, min_rows=2)
 # Built from source with scripts/patch_ik_llama_cpp.sh (its one-row kernels summing in the multi-row
 # order; the library exports ONE_ROW_EXACT_SYMBOL), 1..64 rows give the same logits: no padding.
-REPACKED_ONE_ROW_EXACT_RULES = replace(REPACKED_EXACT_RULES, min_rows=1)
+# And a position holds the same K and V however it was computed (a prompt chunk of any size or
+# start, a decode step, a verification): prefix caching reuses every cached position, the last
+# answer included, not only whole 64-aligned prompt chunks (tests/integration/test_real_pair.py).
+REPACKED_ONE_ROW_EXACT_RULES = replace(REPACKED_EXACT_RULES, min_rows=1, prefill_alignment=1)
 ONE_ROW_EXACT_SYMBOL = "specdec_one_row_exact"
 # The same build places each token at the cell specdec names (patch part 4): all sequences in
 # one context, each in an aligned range of cells of its own, so that several share a call and
