@@ -118,7 +118,8 @@ def main() -> int:
 
     servers = {"specdec": specdec, **({"llama-server": llama_server} if args.llama_server else {})}
     results: dict[str, dict[str, list[dict]]] = {name: {way: [] for way in WAYS} for name in servers}
-    with httpx.Client(timeout=900) as client:
+    # A new connection per request: llama-server closes idle ones at 5 s, racing a client's reuse.
+    with httpx.Client(timeout=900, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         for repeat in range(args.repeats):
             names = list(servers)[::-1 if repeat % 2 else 1]
             for name in names:
