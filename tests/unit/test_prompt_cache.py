@@ -29,23 +29,27 @@ def prompt_rows(backend, seq_id=0):
     return sum(n for seq, n in backend.eval_calls if seq == seq_id and n > 1)
 
 
-def test_a_conversation_whose_slot_was_taken_is_restored_from_its_parked_start():
-    engine = parking_engine()
-    (answer, _), = run_together(engine, [turn(CONVERSATION_A)])
-    run_together(engine, [turn(CONVERSATION_B)])  # the one slot moves to another conversation
-    assert len(engine.prompt_cache) == 1
+def assert_next_turn_restored_as_resident(engine, answer):
+    """Conversation A's next turn on `engine` restores all the slot held of A and its answer, its
+    last block in part (the fake computes every position exactly): 59 of 62, as the slot itself
+    would have kept, not processed again; the text as served alone."""
     second = turn(CONVERSATION_A + tuple(answer) + (7, 8, 9), method="off")  # multi-row calls: its prompt
     engine.target.eval_calls.clear()
     (tokens, stats), = run_together(engine, [second])
-    # All the slot held of conversation A and its answer, its last block in part (the fake
-    # computes every position exactly; on llama.cpp only whole prompt chunks are reused): 59 of
-    # 62, as the slot itself would have kept, not processed again.
     resident = parking_engine()
     run_together(resident, [turn(CONVERSATION_A)])
     (_, kept), = run_together(resident, [second])
     assert stats["cached_prompt_tokens"] == kept["cached_prompt_tokens"] == 59
     assert tokens == alone(second)
     assert prompt_rows(engine.target) == len(second.prompt_token_ids) - 1 - 59
+
+
+def test_a_conversation_whose_slot_was_taken_is_restored_from_its_parked_start():
+    engine = parking_engine()
+    (answer, _), = run_together(engine, [turn(CONVERSATION_A)])
+    run_together(engine, [turn(CONVERSATION_B)])  # the one slot moves to another conversation
+    assert len(engine.prompt_cache) == 1
+    assert_next_turn_restored_as_resident(engine, answer)
     assert engine.prompt_cache.stats.hits == 1 and engine.prompt_cache.stats.tokens_restored == 59
 
 
@@ -234,15 +238,7 @@ def test_a_start_that_gave_way_is_loaded_back_from_host_memory():
     cache = engine.prompt_cache
     assert len(cache) == 1 and cache.saved_count == 1 and cache.stats.saved == 1
     assert cache.saved_bytes == 59 * 16
-    second = turn(CONVERSATION_A + tuple(answer) + (7, 8, 9), method="off")
-    engine.target.eval_calls.clear()
-    (tokens, stats), = run_together(engine, [second])
-    resident = parking_engine()
-    run_together(resident, [turn(CONVERSATION_A)])
-    (_, kept), = run_together(resident, [second])
-    assert stats["cached_prompt_tokens"] == kept["cached_prompt_tokens"] == 59
-    assert tokens == alone(second)
-    assert prompt_rows(engine.target) == len(second.prompt_token_ids) - 1 - 59
+    assert_next_turn_restored_as_resident(engine, answer)
     assert engine.target.loads == [(0, 59)]
     assert cache.stats.host_hits == 1 and cache.stats.host_tokens_restored == 59
     # The copy stays for the conversation's later turns (B's joined it as A's turn took the slot).
