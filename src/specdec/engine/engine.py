@@ -216,6 +216,7 @@ class Engine:
         self.cross_request = CrossRequestCache()
         self.grammars = GrammarCompiler(target, config.grammar_time_limit)  # the vocabulary is read on first use only
         self.prompt_cache: Optional[PromptCache] = None
+        self.prompt_cache_folder = self._prompt_cache_folder()
         if config.prefix_cache and config.parked_prompts > 0 and target.parked_sequences > 0:
             host_bytes = default_host_bytes(machine_memory()) if config.cache_ram_mib is None \
                 else config.cache_ram_mib * MIB
@@ -328,8 +329,7 @@ class Engine:
         """Forget every tenant's cross-request history (the benchmark's runs start equal)."""
         self.cross_request.reset()
 
-    @property
-    def prompt_cache_folder(self) -> Optional[Path]:
+    def _prompt_cache_folder(self) -> Optional[Path]:
         """Where this setup's prompt starts are kept across restarts: a folder per machine, models
         and library build (their cells' values are those of this very computation)."""
         if self.config.prompt_cache_dir is None:
