@@ -111,10 +111,12 @@ def load_engine(config: ModelConfig, n_slots: int = 1, engine: Optional[EngineCo
     if cache is not None:
         if not cache.host_bytes:
             host = "none kept in host memory (--cache-ram 0)"
-        elif not target.describe().get("host_copies"):
+        elif not target.copies_cells:
             host = "none kept in host memory (this build cannot copy cells out)"
         else:
             host = f"those that give way kept in up to {cache.host_bytes / MIB:,.0f} MiB of host memory (--cache-ram)"
+            if loaded.draft_copies is not None:
+                host += f", the draft model's in {loaded.draft_copies.host_bytes / MIB:,.0f} MiB more"
         logger.info(f"prompt cache: up to {cache.capacity} conversations' starts parked in the KV cache; {host}")
         if loaded.prompt_cache_folder is not None:
             logger.info(f"prompt cache: {cache.saved_count} starts read from {loaded.prompt_cache_folder}")

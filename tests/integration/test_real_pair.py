@@ -386,6 +386,33 @@ def test_a_parked_prompt_start_restores_the_logits_of_processing_from_scratch(re
         turn.clear()
 
 
+def test_the_draft_models_copy_of_a_conversation_loads_back_with_its_logits(real_engine):
+    """The draft model's sequence copied to host memory as its slot moves on (Engine.draft_copies)
+    and loaded into another slot's draft: the draft's next logits are those of the sequence that
+    computed the cells (a draft's values steer proposals only, but a load must not garble them)."""
+    copies = real_engine.draft_copies
+    if copies is None:
+        pytest.skip(f"{real_engine.target.name} keeps no copies in host memory here")
+    prompt = next(p for c, p in EQUALITY_PROMPTS if c == "summarization")
+    ids = real_engine.encode_prompt(prompt, chat=True)
+    first, second = real_engine.slots[0].draft, real_engine.slots[1].draft
+    try:
+        first.prefill(ids[:-1])
+        copies.copy(first, "tenant")
+        computed = first.extend(ids[-1:])
+        first.clear()
+        first.prefill(real_engine.target.tokenize("Another conversation takes the cells. " * 20, add_special=False))
+        entry, length = copies.best("tenant", ids[:-1])
+        assert length == len(ids) - 1 and copies.best("someone else", ids[:-1]) == (None, 0)
+        assert copies.restore(entry, second, length) == length
+        loaded = second.extend(ids[-1:])
+        assert np.array_equal(loaded, computed), f"up to {np.abs(loaded - computed).max()}"
+    finally:
+        copies.clear()
+        first.clear()
+        second.clear()
+
+
 def test_a_prompt_start_copied_to_host_memory_restores_the_logits_of_processing_from_scratch(real_engine):
     """A parked start that gave way is copied to host memory (engine/prompt_cache.py), its cells
     then written over by another conversation; the next turn loads the copy into cells of its own,

@@ -290,6 +290,30 @@ def test_without_host_memory_a_start_that_gave_way_is_processed_again():
     assert stats["cached_prompt_tokens"] == 0
 
 
+class FailingLoads(FakeBackend):
+    """A fake whose copies in host memory never load (a library that refuses the cells back)."""
+
+    def load_positions(self, seq_id, cells, length):
+        super().load_positions(seq_id, cells, length)  # some cells written, then the failure
+        raise RuntimeError("the library could not copy cells back")
+
+
+def test_a_copy_that_does_not_load_is_dropped_and_the_prompt_processed_again():
+    backend = FailingLoads(seed=5, prefix_share_block=BLOCK, parked_sequences=1, cell_bytes=16)
+    engine = Engine(backend, n_slots=1)
+    (answer, _), = run_together(engine, [turn(CONVERSATION_A)])
+    run_together(engine, [turn(CONVERSATION_B)])
+    run_together(engine, [turn(range(200, 230))])  # A gives way: copied to host memory
+    cache = engine.prompt_cache
+    assert cache.saved_count == 1
+    second = turn(CONVERSATION_A + tuple(answer) + (7, 8, 9), method="off")
+    (tokens, stats), = run_together(engine, [second])
+    assert tokens == alone(second) and stats["cached_prompt_tokens"] == 0
+    assert backend.loads == [(0, 59)]  # it was tried
+    assert cache.stats.host_failed == 1 and cache.stats.host_hits == 0 and cache.stats.hits == 0
+    assert not any(saved.sequence.tokens[:50] == CONVERSATION_A for saved in cache._saved)
+
+
 def test_the_server_reports_copies_in_host_memory():
     backend = FakeBackend(seed=5, prefix_share_block=BLOCK, parked_sequences=1, cell_bytes=16)
     app = create_app(Engine(backend, n_slots=1), ServerConfig(served_model_name="fake", spec=SpecConfig("off", 0)))
@@ -308,6 +332,31 @@ def test_the_server_reports_copies_in_host_memory():
         loaded = metric(url, "specdec:prompt_cache_host_restored_tokens_total")
         assert metric(url, "specdec:prompt_cache_host_hits_total") == 1 and loaded >= BLOCK
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == loaded
+
+
+def test_the_draft_models_copy_of_a_conversation_comes_back_with_it():
+    target = FakeBackend(seed=5, prefix_share_block=BLOCK, parked_sequences=1, cell_bytes=16)
+    draft = FakeBackend(seed=5, cell_bytes=8)
+    engine = Engine(target, draft, n_slots=1, config=EngineConfig(cache_ram_mib=4))
+    copies = engine.draft_copies  # a quarter of --cache-ram
+    assert copies is not None and copies.host_bytes == 1 << 20 and engine.prompt_cache.host_bytes == 3 << 20
+    (answer, _), = run_together(engine, [turn(CONVERSATION_A, method="draft")])
+    held = list(draft.cached_tokens(0))
+    run_together(engine, [turn(CONVERSATION_B, method="draft")])  # the slot's draft sequence copied first
+    assert copies.saved_count == 1 and copies._saved[0].sequence.tokens == tuple(held)
+    assert draft.cached_tokens(0)[:50] == list(CONVERSATION_B)
+    # Another tenant's conversation loads nothing of alice's.
+    run_together(engine, [turn(CONVERSATION_A + tuple(answer), tenant="bob", method="draft")])
+    assert draft.loads == []
+    second = turn(CONVERSATION_A + tuple(answer) + (7, 8, 9), method="draft")
+    draft.eval_calls.clear()
+    (tokens, _), = run_together(engine, [second])
+    loaded = copies.stats.host_tokens_restored
+    assert draft.loads == [(0, loaded)] and loaded >= len(CONVERSATION_A)
+    # The draft did not process the conversation again (it would be 62 rows), and the text is the
+    # request's alone.
+    assert prompt_rows(draft) < len(CONVERSATION_A) // 2
+    assert tokens == Engine(FakeBackend(seed=5), FakeBackend(seed=5)).generate(second).token_ids
 
 
 # -- across restarts ---------------------------------------------------------------------------------

@@ -73,6 +73,11 @@ class Backend(ABC):
         back, bit for bit), or None where this backend cannot copy its cache out."""
         return None
 
+    @property
+    def copies_cells(self) -> bool:
+        """Whether save_positions copies this backend's cache out (else it gives None)."""
+        return False
+
     def load_positions(self, seq_id: int, cells: np.ndarray, length: int) -> None:
         """seq_id (holding nothing) holds the first `length` positions of a save_positions copy, in
         cells of its own, as if it had computed them."""

@@ -154,6 +154,10 @@ class FakeBackend(Backend):
         self.cache[seq_id] = list(self.cache[source_seq][:length])
         self.shared_prefixes.append((source_seq, seq_id, length))
 
+    @property
+    def copies_cells(self) -> bool:
+        return bool(self.cell_bytes)
+
     def save_positions(self, seq_id: int, length: int) -> Optional[np.ndarray]:
         if not self.cell_bytes:
             return None

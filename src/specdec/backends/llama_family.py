@@ -286,9 +286,19 @@ class LlamaFamilyBackend(Backend):
         self._binding.seq_cp(ctx, source, local_id, 0, length)
 
     def save_positions(self, seq_id: int, length: int) -> Optional[np.ndarray]:
-        if not (self.rules.cell_ranges and self._binding.kv_host) or length <= 0:
+        if not self.copies_cells or length <= 0:
             return None
+        if not self.rules.cell_ranges:
+            return self._library.call(self._save_sequence, seq_id, length)
         return self._library.call(self._save_positions, seq_id, length)
+
+    def _save_sequence(self, seq_id: int, length: int) -> np.ndarray:
+        """A context per sequence: the sequence's whole state, through llama.cpp's state API."""
+        ctx, local_id = self._context_of(seq_id)
+        copy = self._binding.read_sequence(ctx, local_id)
+        if copy is None:
+            raise SpecdecError(f"{self.name} could not copy sequence {seq_id} to host memory.")
+        return copy
 
     def _save_positions(self, seq_id: int, length: int) -> np.ndarray:
         ctx, local_id = self._context_of(seq_id)
@@ -298,10 +308,26 @@ class LlamaFamilyBackend(Backend):
             raise SpecdecError(f"{self.name} could not copy sequence {seq_id}'s cells to host memory.")
         return copy
 
+    @property
+    def copies_cells(self) -> bool:
+        if self.rules.cell_ranges:
+            return bool(self._binding.kv_host)
+        return self.rules.context_per_sequence and self._binding.sequence_state
+
     def load_positions(self, seq_id: int, cells: np.ndarray, length: int) -> None:
-        if not (self.rules.cell_ranges and self._binding.kv_host):
+        if not self.copies_cells:
             super().load_positions(seq_id, cells, length)
+        if not self.rules.cell_ranges:
+            self._library.call(self._load_sequence, seq_id, cells, length)
+            return
         self._library.call(self._load_positions, seq_id, cells, length)
+
+    def _load_sequence(self, seq_id: int, copy: np.ndarray, length: int) -> None:
+        ctx, local_id = self._context_of(seq_id)
+        if not self._binding.write_sequence(ctx, local_id, copy):
+            self._binding.seq_rm(ctx, local_id, 0)
+            raise SpecdecError(f"{self.name} could not copy sequence {seq_id}'s state back.")
+        self._binding.seq_rm(ctx, local_id, length)  # the copy may hold more than is loaded
 
     def _load_positions(self, seq_id: int, copy: np.ndarray, length: int) -> None:
         ctx, local_id = self._context_of(seq_id)
@@ -332,7 +358,7 @@ class LlamaFamilyBackend(Backend):
             "context_per_sequence": self.rules.context_per_sequence,
             "cell_ranges": self.rules.cell_ranges,
             "prefix_share_block": self.prefix_share_block,
-            "host_copies": bool(self.rules.cell_ranges and self._binding.kv_host),  # save_positions works
+            "host_copies": self.copies_cells,
             "min_rows": self.rules.min_rows,
             "repacked": self.repacked,
             "proposals_only": self.proposals_only,

@@ -144,8 +144,9 @@ class EngineCore:
         """Forget every slot's caches (after a stuck backend call returned: their state is not trusted)."""
         for index in range(len(self.engine.slots)):
             self._reset_slot(index)
-        if self.engine.prompt_cache is not None:
-            self.engine.prompt_cache.clear()
+        for cache in (self.engine.prompt_cache, self.engine.draft_copies):
+            if cache is not None:
+                cache.clear()
 
     def stats_of(self, handle: int) -> dict:
         """A running request's statistics so far ({} if it has none); safe to call from another
@@ -223,6 +224,7 @@ class EngineCore:
         active.generation = engine.new_generation(active.request, slot=active.slot)
         slot = engine.slots[active.slot]
         self._park(active)
+        self._copy_draft(active)
         if engine.config.prefix_cache and self._may_reuse(active.slot, active.request):
             active.admitted.cached_prompt_tokens = slot.target.reuse_prefix(active.request.prompt_token_ids[:-1])
         else:  # another tenant's text, or a request that asked for none: nothing of it is reused
@@ -230,6 +232,7 @@ class EngineCore:
             if slot.draft is not None:
                 slot.draft.clear()
         self._slot_tenant[active.slot] = active.request.tenant
+        self._load_draft(active)
         if active.request.prompt_logprobs is not None:
             active.prompt_logprobs, active.scoring = [], True
 
@@ -253,6 +256,31 @@ class EngineCore:
                 cache.park(sequence, self._slot_tenant[active.slot])
             except Exception:  # a start not kept costs its reprocessing later, never this request
                 logger.exception("could not park slot %d's prompt start", active.slot)
+
+    def _copy_draft(self, active: _Active) -> None:
+        """Copy the draft model's sequence in the slot to host memory where the request would drop
+        a block's worth of it: the conversation it served may come back (_load_draft)."""
+        copies, draft = self.engine.draft_copies, self.engine.slots[active.slot].draft
+        if copies is None or draft is None or not draft.tokens:
+            return
+        keep = draft.reusable_prefix(active.request.prompt_token_ids[:-1]) if self._may_reuse(active.slot, active.request) else 0
+        if len(draft.tokens) - keep >= self.engine.target.prefix_share_block:
+            try:
+                copies.copy(draft, self._slot_tenant[active.slot])
+            except Exception:  # a copy not kept costs the draft's catch-up later, never this request
+                logger.exception("could not copy slot %d's draft sequence", active.slot)
+
+    def _load_draft(self, active: _Active) -> None:
+        """The draft model's copy of this conversation, where one of its tenant's serves a block's
+        worth more of the prompt than the slot's draft holds: its proposals then need no catch-up
+        on the prompt (the draft's values change which tokens are proposed, never the output)."""
+        copies, draft = self.engine.draft_copies, self.engine.slots[active.slot].draft
+        if copies is None or draft is None or not self._may_reuse_cache(active.request):
+            return
+        prefix = active.request.prompt_token_ids[:-1]
+        entry, length = copies.best(active.request.tenant, prefix)
+        if entry is not None and length - draft.reusable_prefix(prefix) >= self.engine.target.prefix_share_block:
+            copies.restore(entry, draft, length)
 
     def _make_room(self, seq_id: int, end: int) -> None:
         """Parked prompt starts give way, least recently used first, to a sequence that needs cells."""
@@ -328,8 +356,7 @@ class EngineCore:
             chosen = next(option for option in options if option[2] is None)
         holder, length, entry = chosen
         if cache is not None and entry is not None:
-            cache.restore(entry, own, length)
-            active.admitted.cached_prompt_tokens = length
+            active.admitted.cached_prompt_tokens = cache.restore(entry, own, length)
         elif holder is not own:
             own.adopt(holder, length)
             active.admitted.cached_prompt_tokens = length

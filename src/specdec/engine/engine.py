@@ -21,7 +21,7 @@ from specdec.drafters.policy.config import PolicyConfig
 from specdec.drafters.registry import SlotParts
 from specdec.engine.core import EngineCore
 from specdec.engine.decoder import Generation
-from specdec.engine.prompt_cache import PromptCache, default_host_bytes
+from specdec.engine.prompt_cache import DRAFT_HOST_SHARE, PromptCache, default_host_bytes
 from specdec.grammar.compiler import DEFAULT_TIME_LIMIT, GrammarCompiler
 from specdec.types import GenerationRequest, GenerationResult, SpecdecError, StreamEvent
 
@@ -216,12 +216,16 @@ class Engine:
         self.cross_request = CrossRequestCache()
         self.grammars = GrammarCompiler(target, config.grammar_time_limit)  # the vocabulary is read on first use only
         self.prompt_cache: Optional[PromptCache] = None
+        self.draft_copies: Optional[PromptCache] = None  # the draft's sequences, in host memory only
         self.prompt_cache_folder = self._prompt_cache_folder()
         if config.prefix_cache and config.parked_prompts > 0 and target.parked_sequences > 0:
             host_bytes = default_host_bytes(machine_memory()) if config.cache_ram_mib is None \
                 else config.cache_ram_mib * MIB
+            draft_bytes = int(host_bytes * DRAFT_HOST_SHARE) if draft is not None and draft.copies_cells else 0
             self.prompt_cache = PromptCache(target, target.max_sequences, min(config.parked_prompts, target.parked_sequences),
-                                            host_bytes)
+                                            host_bytes - draft_bytes)
+            if draft is not None and draft_bytes:  # the draft's conversations too: its proposals need no catch-up
+                self.draft_copies = PromptCache(draft, draft.max_sequences, 0, draft_bytes)
             if self.prompt_cache_folder is not None and self.prompt_cache_folder.is_dir():
                 self.prompt_cache.read(self.prompt_cache_folder)
         self.core = EngineCore(self)  # the one driver of its slots, for every caller

@@ -26,6 +26,12 @@ dropped first), and a later prompt of its tenant that it serves loads it into ce
 (load_positions): the values computed for the first prompt, so bit-identical to processing it
 again. What gives way only for a longer start of its own tenant is not copied.
 
+The draft model's sequences are copied to host memory too (a PromptCache of the draft's, with no
+parked ids: Engine.draft_copies) when their slot moves to another conversation, within a quarter
+of the bound, and loaded when the conversation comes back, so its proposals need no catch-up on a
+long prompt. Not parked in cells (its forwards would then have to make room as the target's
+prefill does) and not written across restarts: a draft lacking its copy only proposes later.
+
 With a folder to keep them in (`--prompt-cache-dir`), a server that stops writes there copies of
 all it holds (the slots' conversations, the parked starts and the copies), and a server started
 later on the same machine, models and build reads them back into host memory.
@@ -39,7 +45,7 @@ import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 
@@ -51,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 HOST_SHARE = 1 / 8  # of the machine's RAM, by default, for starts copied to host memory
 HOST_MOST = 8 * GIB  # and at most this (llama-server's --cache-ram default)
+# Of that bound, what copies of the draft model's sequences may take (the default pair's draft
+# cells are 0.43x the target's: 12 and 28 KiB a position).
+DRAFT_HOST_SHARE = 1 / 4
 
 
 def default_host_bytes(memory: Memory) -> int:
@@ -82,6 +91,7 @@ class PromptCacheStats:
     host_hits: int = 0  # requests that loaded one (counted in hits too)
     host_tokens_restored: int = 0  # prompt tokens they loaded
     host_evicted: int = 0  # copies dropped for the bound
+    host_failed: int = 0  # copies that did not load (dropped; their requests processed the prompt)
 
 
 class PromptCache:
@@ -117,16 +127,12 @@ class PromptCache:
         length = source.restorable()
         if not length:
             return
-        tokens = source.tokens[:length]
-        for entry in list(self._entries):
-            if entry.tenant != tenant:
-                continue
-            held = entry.sequence.tokens
-            if len(held) >= length and held[:length] == tokens:
-                entry.used = self._tick()
-                return
-            if tokens[:len(held)] == held:
-                self._drop(entry)
+        covering, covered = _coverage(self._entries, tenant, source.tokens[:length])
+        if covering is not None:
+            covering.used = self._tick()
+            return
+        for entry in covered:
+            self._drop(entry)
         if not self._free_ids:
             self.evict_one()
         if not self._free_ids:
@@ -160,25 +166,38 @@ class PromptCache:
                     best = (saved, length)
         return best
 
-    def restore(self, entry: Union[Parked, Saved], into: CachedSequence, length: int) -> None:
-        """`into` takes the first `length` positions of `entry` (a length best() gave). A last
-        block taken in part becomes into's alone, as into writes its next positions there: the
-        parked start keeps the whole blocks before it, or goes once it has none. A copy in host
-        memory is loaded into cells of into's own, and stays."""
-        self.stats.hits += 1
-        self.stats.tokens_restored += length
+    def restore(self, entry: Union[Parked, Saved], into: CachedSequence, length: int) -> int:
+        """`into` takes the first `length` positions of `entry` (a length best() gave); how many it
+        holds then. A last block taken in part becomes into's alone, as into writes its next
+        positions there: the parked start keeps the whole blocks before it, or goes once it has
+        none. A copy in host memory is loaded into cells of into's own, and stays; one that does
+        not load goes, and `into` is left empty (0): the request processes its prompt again."""
         entry.used = self._tick()
         if isinstance(entry, Saved):
-            into.load(entry.sequence, length)
+            try:
+                into.load(entry.sequence, length)
+            except Exception:  # a copy that fails costs its reprocessing, never the request at hand
+                logger.exception("could not load a prompt start from host memory; processing it again")
+                into.clear()
+                self._saved.remove(entry)
+                self.stats.host_failed += 1
+                return 0
+            self._count_hit(length)
             self.stats.host_hits += 1
             self.stats.host_tokens_restored += length
-            return
+            return length
         into.adopt(entry.sequence, length)
+        self._count_hit(length)
         block = self.backend.prefix_share_block
         if length % block:
             entry.sequence.truncate(length // block * block)
             if not entry.sequence.tokens:
                 self._drop(entry)
+        return length
+
+    def _count_hit(self, length: int) -> None:
+        self.stats.hits += 1
+        self.stats.tokens_restored += length
 
     def evict_one(self, sparing: Optional[Parked] = None) -> bool:
         """Drop the least recently used parked start but `sparing` (one a request is about to
@@ -197,20 +216,21 @@ class PromptCache:
             self._drop(entry)
         self._saved.clear()
 
+    def copy(self, sequence: CachedSequence, tenant: Optional[str]) -> None:
+        """A copy in host memory of what `sequence` holds, as the most recently used (_copy)."""
+        self._copy(sequence, tenant, self._tick())
+
     def _copy(self, sequence: CachedSequence, tenant: Optional[str], used: int) -> None:
         """A copy of the start in host memory, unless one of its tenant's already covers it (one it
         covers goes), within the bound: the least recently used copies go first."""
         if not self.host_bytes:
             return
-        tokens = tuple(sequence.tokens[:sequence.restorable()])
-        for saved in list(self._saved):
-            if saved.tenant != tenant:
-                continue
-            if saved.sequence.tokens[:len(tokens)] == tokens:
-                saved.used = max(saved.used, used)
-                return
-            if tokens[:len(saved.sequence.tokens)] == saved.sequence.tokens:
-                self._saved.remove(saved)
+        covering, covered = _coverage(self._saved, tenant, sequence.tokens[:sequence.restorable()])
+        if covering is not None:
+            covering.used = max(covering.used, used)
+            return
+        for saved in covered:
+            self._saved.remove(saved)
         try:
             copy = sequence.save()
         except Exception:  # a start not copied costs its reprocessing later, never the request at hand
@@ -281,3 +301,18 @@ class PromptCache:
             entry.sequence.clear()  # its blocks are free again once no slot shares them
         finally:
             self._free_ids.append(entry.sequence.seq_id)
+
+
+Entry = TypeVar("Entry", Parked, Saved)
+
+
+def _coverage(entries: Sequence[Entry], tenant: Optional[str], tokens: Sequence[int]) -> tuple[Optional[Entry], list[Entry]]:
+    """Among `tenant`'s entries: one whose tokens start with `tokens` (it covers them), else None,
+    and those whose tokens `tokens` start with (they are covered: a start holding `tokens` serves
+    all they serve)."""
+    tokens = tuple(tokens)
+    own = [entry for entry in entries if entry.tenant == tenant]
+    covering = next((entry for entry in own if tuple(entry.sequence.tokens[:len(tokens)]) == tokens), None)
+    if covering is not None:
+        return covering, []
+    return None, [entry for entry in own if tokens[:len(entry.sequence.tokens)] == tuple(entry.sequence.tokens)]

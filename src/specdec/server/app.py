@@ -46,7 +46,7 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None,
     metrics.track_scheduler(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
     metrics.track_caches(lambda: cross_request_sizes(scheduler.engine)[0], lambda: cross_request_sizes(scheduler.engine)[1],
                          lambda: sum(len(slot.target.tokens) for slot in scheduler.engine.slots))
-    metrics.track_prompt_cache(lambda: scheduler.engine.prompt_cache)
+    metrics.track_prompt_cache(lambda: scheduler.engine.prompt_cache, lambda: scheduler.engine.draft_copies)
 
     drain = Drain(scheduler, config.drain_grace)
 

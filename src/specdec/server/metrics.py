@@ -12,7 +12,7 @@ first, per request (TPOT), and the gap between consecutive output tokens (ITL; t
 speculative round arrive together, so each gets the round's gap divided among them).
 The prompt cache (engine/prompt_cache.py): starts parked and the tokens they hold, and since the
 engine started, requests that restored one, the prompt tokens they did not process again, and
-starts dropped for room.
+starts dropped for room; the same for copies in host memory, and for the draft model's copies.
 """
 from __future__ import annotations
 
@@ -94,9 +94,11 @@ class ServerMetrics:
         self.history_tokens.labels(self.model_name).set_function(history_tokens)
         self.prefix_cache_tokens.labels(self.model_name).set_function(prefix_tokens)
 
-    def track_prompt_cache(self, cache: Callable[[], Optional[PromptCache]]) -> None:
-        """`cache`: the serving engine's prompt cache now (the engine changes at a build switch)."""
-        self.registry.register(_PromptCacheCollector(self.model_name, cache))
+    def track_prompt_cache(self, cache: Callable[[], Optional[PromptCache]],
+                           draft_copies: Callable[[], Optional[PromptCache]] = lambda: None) -> None:
+        """`cache`, `draft_copies`: the serving engine's prompt cache and its draft model's copies
+        now (the engine changes at a build switch)."""
+        self.registry.register(_PromptCacheCollector(self.model_name, cache, draft_copies))
 
     # -- recording (thread-safe: called from the scheduler thread) ------------------------------
     def observe_first_token(self, seconds: float) -> None:
@@ -141,17 +143,21 @@ class ServerMetrics:
 class _PromptCacheCollector(Collector):
     """Read at scrape time from the engine's own counts (which restart with a new engine)."""
 
-    def __init__(self, model_name: str, cache: Callable[[], Optional[PromptCache]]):
-        self.model_name, self.cache = model_name, cache
+    def __init__(self, model_name: str, cache: Callable[[], Optional[PromptCache]],
+                 draft_copies: Callable[[], Optional[PromptCache]]):
+        self.model_name, self.cache, self.draft_copies = model_name, cache, draft_copies
 
     def collect(self):
-        cache = self.cache()
+        cache, draft = self.cache(), self.draft_copies()
         stats, held = ((cache.stats, (len(cache), cache.held_tokens, cache.saved_count, cache.saved_bytes))
                        if cache is not None else (None, (0, 0, 0, 0)))
         for name, text, value in (("parked_prompts", "Prompt starts parked in the KV cache.", held[0]),
                                   ("parked_prompt_tokens", "Positions the parked prompt starts hold.", held[1]),
                                   ("prompt_cache_host_prompts", "Prompt starts copied to host memory.", held[2]),
-                                  ("prompt_cache_host_bytes", "Bytes of host memory those copies hold.", held[3])):
+                                  ("prompt_cache_host_bytes", "Bytes of host memory those copies hold.", held[3]),
+                                  ("prompt_cache_draft_host_bytes",
+                                   "Bytes of host memory the draft model's copies of conversations hold.",
+                                   draft.saved_bytes if draft is not None else 0)):
             gauge = GaugeMetricFamily(f"specdec:{name}", text, labels=["model_name"])
             gauge.add_metric([self.model_name], value)
             yield gauge
@@ -164,10 +170,18 @@ class _PromptCacheCollector(Collector):
                                   ("prompt_cache_host_restored_tokens", "Prompt tokens loaded from host memory.",
                                    "host_tokens_restored"),
                                   ("prompt_cache_host_evictions", "Copies in host memory dropped for the bound.",
-                                   "host_evicted")):
+                                   "host_evicted"),
+                                  ("prompt_cache_host_load_failures",
+                                   "Copies in host memory that did not load (dropped; the prompt processed again).",
+                                   "host_failed")):
             counter = CounterMetricFamily(f"specdec:{name}", text, labels=["model_name"])
             counter.add_metric([self.model_name], getattr(stats, field) if stats is not None else 0)
             yield counter
+        counter = CounterMetricFamily("specdec:prompt_cache_draft_host_hits",
+                                      "Requests whose draft model loaded its copy of the conversation.",
+                                      labels=["model_name"])
+        counter.add_metric([self.model_name], draft.stats.host_hits if draft is not None else 0)
+        yield counter
 
 
 class HTTPMetricsMiddleware:

@@ -159,6 +159,16 @@ class LlamaBinding(ABC):
         cells, which seq_id then holds at `positions`; False, nothing written, where one is taken."""
         raise NotImplementedError(f"{self.name} does not copy cells to host memory")
 
+    sequence_state: bool = False  # copies a sequence's whole state out and back (read_sequence, write_sequence)
+
+    def read_sequence(self, ctx, seq_id: int) -> Optional[np.ndarray]:
+        """seq_id's cached positions, K and V, as llama.cpp's state API writes them; None on failure."""
+        raise NotImplementedError(f"{self.name} does not copy sequences to host memory")
+
+    def write_sequence(self, ctx, seq_id: int, source: np.ndarray) -> bool:
+        """A read_sequence copy into seq_id (holding nothing); False where it does not fit."""
+        raise NotImplementedError(f"{self.name} does not copy sequences to host memory")
+
     def seq_cp(self, ctx, source: int, seq_id: int, start: int, end: int) -> None:
         """seq_id also owns source's cells of positions start..end-1 (no copy), where rules say cell_ranges."""
         raise NotImplementedError(f"{self.name} places tokens in cells of its own choosing")

@@ -126,6 +126,9 @@ FUNCTIONS = {
     "llama_decode": ([_p, Batch], ctypes.c_int32),
     "llama_get_logits_ith": ([_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)),
     "llama_kv_cache_seq_rm": ([_p, c_seq_id, c_pos, c_pos], ctypes.c_bool),
+    "llama_state_seq_get_size": ([_p, c_seq_id, ctypes.c_uint32], ctypes.c_size_t),
+    "llama_state_seq_get_data": ([_p, ctypes.c_void_p, ctypes.c_size_t, c_seq_id, ctypes.c_uint32], ctypes.c_size_t),
+    "llama_state_seq_set_data": ([_p, ctypes.c_void_p, ctypes.c_size_t, c_seq_id, ctypes.c_uint32], ctypes.c_size_t),
     "llama_kv_cache_seq_cp": ([_p, c_seq_id, c_seq_id, c_pos, c_pos], None),
 }
 
@@ -322,6 +325,17 @@ class IkLlamaBinding(LlamaBinding):
 
     def seq_rm(self, ctx, seq_id: int, start: int) -> bool:
         return bool(self._lib.llama_kv_cache_seq_rm(ctx, seq_id, start, -1))
+
+    sequence_state = True
+
+    def read_sequence(self, ctx, seq_id: int) -> Optional[np.ndarray]:
+        size = self._lib.llama_state_seq_get_size(ctx, seq_id, 0)
+        copy = np.empty(size, dtype=np.uint8)
+        written = self._lib.llama_state_seq_get_data(ctx, copy.ctypes.data, size, seq_id, 0)
+        return copy[:written] if written else None
+
+    def write_sequence(self, ctx, seq_id: int, source: np.ndarray) -> bool:
+        return self._lib.llama_state_seq_set_data(ctx, source.ctypes.data, source.nbytes, seq_id, 0) > 0
 
     def seq_cp(self, ctx, source: int, seq_id: int, start: int, end: int) -> None:
         self._lib.llama_kv_cache_seq_cp(ctx, source, seq_id, start, end)
