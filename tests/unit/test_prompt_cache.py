@@ -359,6 +359,26 @@ def test_the_draft_models_copy_of_a_conversation_comes_back_with_it():
     assert tokens == Engine(FakeBackend(seed=5), FakeBackend(seed=5)).generate(second).token_ids
 
 
+
+def test_the_server_reports_the_draft_models_copies():
+    target = FakeBackend(seed=5, prefix_share_block=BLOCK, parked_sequences=1, cell_bytes=16)
+    engine = Engine(target, FakeBackend(seed=5, cell_bytes=8), n_slots=1)
+    app = create_app(engine, ServerConfig(served_model_name="fake", spec=SpecConfig("draft", 3)))
+    conversations = ["the cat sat on the mat " * 8, "a dog ran in the park " * 8]
+
+    def complete(prompt):
+        body = {"model": "fake", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        return httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+
+    with serve_in_thread(app) as (url, _):
+        for prompt in conversations:
+            complete(prompt)
+        assert metric(url, "specdec:prompt_cache_draft_host_bytes") > 0  # the first one's draft, copied
+        assert metric(url, "specdec:prompt_cache_draft_host_hits_total") == 0
+        complete(conversations[0] + "and then")
+        assert metric(url, "specdec:prompt_cache_draft_host_hits_total") == 1
+        assert metric(url, "specdec:prompt_cache_host_load_failures_total") == 0
+
 # -- across restarts ---------------------------------------------------------------------------------
 def kept_engine(folder, n_ctx=2048):
     backend = FakeBackend(seed=5, prefix_share_block=BLOCK, parked_sequences=1, cell_bytes=16, n_ctx=n_ctx)
