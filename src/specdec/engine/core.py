@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Generator, Iterator, Optional, Union
 
 from specdec.backends.sequence import CachedSequence, common_prefix_length
+from specdec.drafters import registry as drafting_methods
 from specdec.drafters.base import DraftForward, DraftReply
 from specdec.engine.decoder import Generation
 from specdec.engine.prompt_cache import Parked, Saved
@@ -275,8 +276,9 @@ class EngineCore:
         worth more of the prompt than the slot's draft holds: its proposals then need no catch-up
         on the prompt (the draft's values change which tokens are proposed, never the output)."""
         copies, draft = self.engine.draft_copies, self.engine.slots[active.slot].draft
-        if copies is None or draft is None or not self._may_reuse_cache(active.request):
-            return
+        if copies is None or draft is None or not self._may_reuse_cache(active.request) \
+                or not drafting_methods.wants_draft(active.request.spec.method):
+            return  # a method that never runs the draft model does not need its cache loaded
         prefix = active.request.prompt_token_ids[:-1]
         entry, length = copies.best(active.request.tenant, prefix)
         if entry is not None and length - draft.reusable_prefix(prefix) >= self.engine.target.prefix_share_block:
