@@ -348,7 +348,7 @@ def test_a_parked_prompt_start_restores_the_logits_of_processing_from_scratch(re
     """The prompt cache (engine/prompt_cache.py): a slot's start parked under a spare sequence id,
     the slot reused by another prompt, then the conversation's next turn restores as much as the
     slot would have kept, its last block in part: bit for bit the logits of processing the prompt
-    itself."""
+    itself, and again once its cells moved into blocks that lie together."""
     cache, target = real_engine.prompt_cache, real_engine.target
     if cache is None:
         pytest.skip(f"{target.name} keeps a context per sequence here: nothing to park")
@@ -376,10 +376,16 @@ def test_a_parked_prompt_start_restores_the_logits_of_processing_from_scratch(re
         assert cache.best("someone else", next_turn) == (None, 0)
         assert length % block, "this prompt's reusable start ends inside a block (832 of 839 tokens)"
         cache.restore(parked, turn, length)
-        assert parked.sequence.tokens == ids[:length // block * block]  # the last block is the turn's alone
+        assert len(cache) == 0  # taken whole: the turn holds its blocks alone
         assert turn.prefill(next_turn) == length  # the rest, from there on
         restored = turn.extend(tail)
         assert np.array_equal(restored, alone), f"up to {np.abs(restored - alone).max()}"
+        # Its blocks lie below the other conversation's: moved into blocks that lie together, the
+        # cells copied as they are, the logits do not change.
+        turn.truncate(len(next_turn))
+        assert turn.gather(8 * block)
+        moved = turn.extend(tail)
+        assert np.array_equal(moved, alone), f"up to {np.abs(moved - alone).max()}"
     finally:
         cache.clear()
         slot.clear()

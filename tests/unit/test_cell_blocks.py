@@ -137,3 +137,43 @@ def test_held_cells_names_the_cells_of_a_sequence_positions_shared_ones_included
     assert blocks.held_cells(2, 5) == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError):
         blocks.held_cells(1, 5)  # one block: 4 positions at most
+
+
+def test_a_sequence_among_others_blocks_is_gathered_into_a_free_run_with_room_for_its_end():
+    blocks = CellBlocks(128, block=8)  # 16 blocks
+    blocks.cells(0, range(16))  # blocks 0, 1: a conversation taken back from its parked start
+    blocks.cells(1, range(24))  # 2..4: another one parked above it
+    assert blocks.cells(0, [16]) == [5 * 8]  # its next position would sit past the other's blocks
+    blocks.truncate(0, 16)
+    moved = blocks.gathered(0, 16, end=40)  # 5 blocks: the lowest free run of 5 is 5..9
+    assert moved == [5, 6]
+    cells = blocks.move_to(0, moved)
+    assert cells[:16] == list(range(40, 56))  # offsets within blocks as before
+    assert blocks.cells(0, [16]) == [56]  # and it grows into the next block
+    assert blocks.cells(2, range(16)) == list(range(16))  # its old blocks are free
+    assert blocks.gathered(0, 17, end=40) is None  # together now
+
+
+def test_a_sequence_already_together_shared_or_with_nowhere_better_stays():
+    blocks = CellBlocks(64, block=8)  # 8 blocks
+    blocks.cells(0, range(16))  # 0, 1
+    assert blocks.gathered(0, 16, end=48) is None  # 2..5 free above it
+    blocks.cells(1, range(8))  # 2
+    blocks.cells(2, range(40))  # 3..7: no run of free blocks fits it better
+    assert blocks.gathered(0, 16, end=48) is None
+    blocks.share(0, 3, 16)
+    blocks.truncate(1, 0)
+    assert blocks.gathered(0, 16, end=24) is None  # shared: the other holder reads those cells
+
+
+def test_gathering_never_leaves_a_sequence_less_room_for_its_end():
+    blocks = CellBlocks(80, block=8)  # 10 blocks
+    blocks.cells(0, range(16))  # 0, 1
+    blocks.cells(1, range(8))  # 2
+    blocks.cells(2, range(8))  # 3
+    blocks.cells(3, range(8))  # 4
+    blocks.truncate(2, 0)  # 3 free: 3, 5..9 free, 6 of them above block 1
+    # 8 blocks wanted: none fits; the longest run, 5..9, would leave it 5 of the 8 where it has 8.
+    assert blocks.gathered(0, 16, end=64) is None
+    # 5 wanted: 5..9 holds them all, together: moved there.
+    assert blocks.gathered(0, 16, end=40) == [5, 6]

@@ -104,8 +104,26 @@ def test_the_parked_start_a_request_adopts_is_spared_while_the_others_make_room_
     (tokens, stats), = run_together(engine, [next_turn])
     assert stats["cached_prompt_tokens"] == 59 and tokens == alone(next_turn)
     assert engine.prompt_cache.stats.evicted == 2 and engine.prompt_cache.stats.hits == 1
-    (kept,) = engine.prompt_cache._entries
-    assert kept.sequence.tokens[:len(CONVERSATION_A)] == list(CONVERSATION_A)
+    assert len(engine.prompt_cache) == 0  # A taken whole: the slot holds it, to park it again
+    assert engine.slots[0].target.tokens[:len(CONVERSATION_A)] == list(CONVERSATION_A)
+
+
+def test_a_conversation_taken_back_below_others_moves_into_blocks_that_lie_together():
+    # Three conversations in turn on one slot of 320 positions (40 blocks). A's next turn takes
+    # its parked blocks back (0..7), below B's and C's: its attention would read past theirs at
+    # every step, so its cells move into a free run above them, its answer's room after them.
+    engine = parking_engine(n_ctx=320, max_sequences=1, cell_bytes=16)
+    answers = []
+    for conversation in (CONVERSATION_A, CONVERSATION_B, tuple(range(200, 250))):
+        (answer, _), = run_together(engine, [turn(conversation)])
+        answers.append(answer)
+    assert engine.target.gathers == []  # each first turn took free blocks above the others
+    next_turn = turn(CONVERSATION_A + tuple(answers[0]) + (7, 8, 9), max_tokens=40, method="off")
+    (tokens, stats), = run_together(engine, [next_turn])
+    assert stats["cached_prompt_tokens"] == 59 and tokens == alone(next_turn)
+    assert engine.target.gathers == [(0, 59)] and engine.prompt_cache.stats.gathered == 1
+    held = engine.target.blocks_of(0)
+    assert held[0] >= 24 and held == list(range(held[0], held[0] + len(held)))
 
 
 def test_the_least_recently_used_start_goes_when_every_spare_id_is_taken():
@@ -167,8 +185,8 @@ def test_a_restored_start_brings_back_what_the_slot_would_have_kept_its_last_blo
     (tokens, stats), = run_together(engine, [second])
     assert stats["cached_prompt_tokens"] == resident_cached_tokens(first, second) == 44  # not 40: block 5 too
     assert tokens == alone(second)
-    held = [entry.sequence.tokens for entry in engine.prompt_cache._entries]
-    assert list(CONVERSATION_C[:40]) in held  # C's start handed block 5 over and kept blocks 0..4
+    held = [entry.sequence.tokens[:1] for entry in engine.prompt_cache._entries]
+    assert [CONVERSATION_C[0]] not in held  # C's start was taken whole: the slot holds it alone
 
 
 def test_the_very_same_prompt_again_is_restored_whole_as_its_slot_would_have_kept_it():

@@ -83,6 +83,13 @@ class Backend(ABC):
         cells of its own, as if it had computed them."""
         raise NotImplementedError(f"{self.name} cannot copy its cache back from host memory")
 
+    def gather(self, seq_id: int, length: int, end: int) -> bool:
+        """Move seq_id's cached positions < length into cells that lie together, with room after
+        them for its positions < end, where they lie among other sequences' cells (which its
+        attention would read past at every step) and it holds them alone; whether it moved them.
+        The values are copied as they are: the logits that follow do not change."""
+        return False
+
     def keepable(self, seq_id: int, length: int) -> int:
         """The longest prefix up to `length` of seq_id's cache that it may truncate to and then
         extend (positions another sequence shares may pin more of it)."""

@@ -19,11 +19,17 @@ cut into a shared block and write there (keepable() says where a cut may fall). 
 inside a block shares that block too, the cells past the start free: a holder that never writes
 (a parked prompt start, engine/prompt_cache.py) may keep it, and whoever writes after the start
 there does so once the other holders have dropped it.
+
+A sequence's attention spans its cells from its first block to its last, other sequences' blocks
+between them included (masked, but still read): a conversation that takes back its parked blocks
+low in the cache and grows above other parked conversations pays for all of them at every step.
+gathered() finds a run of free blocks where it fits whole, and move_to() puts it there (the
+backend copies the cells over): offsets within blocks unchanged, so it sums as before.
 """
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from typing import Optional, Sequence
 
 from specdec.types import SpecdecError
 
@@ -33,6 +39,7 @@ BLOCK = 256
 class CellBlocks:
     def __init__(self, n_cells: int, block: int = BLOCK):
         self.block = block
+        self._count = n_cells // block
         self._free = list(range(n_cells // block))  # sorted
         self._blocks: dict[int, list[int]] = {}  # sequence -> its blocks, increasing
         self._holders: dict[int, int] = {}  # block -> how many sequences hold it
@@ -113,6 +120,51 @@ class CellBlocks:
                 del self._holders[block]
                 bisect.insort(self._free, block)
         del blocks[keep:]
+
+    def gathered(self, seq: int, length: int, end: int) -> Optional[list[int]]:
+        """Blocks of one run where `seq`'s positions < length could move, with free blocks after
+        them for its positions < end: the lowest run of free blocks (its own counted) that fits
+        `end`, else the longest that leaves it as much room; None where it already sits in such a
+        run or none sits better, and where it shares a block (the other holder reads it there)."""
+        blocks = self._blocks.get(seq, [])
+        held = -(-length // self.block)
+        if not held or any(self._holders[block] > 1 for block in blocks):
+            return None
+        need = max(held, min(-(-end // self.block), self._count))
+        available = sorted(set(self._free) | set(blocks))
+        runs: list[tuple[int, int]] = []  # (first block, how many) of consecutive available blocks
+        for block in available:
+            if runs and runs[-1][0] + runs[-1][1] == block:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((block, 1))
+        # The run its cells may use now: from its first block, where its positions lie in order.
+        now = next((first + count - blocks[0] for first, count in runs if first <= blocks[0] < first + count), 0) \
+            if blocks[:held] == list(range(blocks[0], blocks[0] + held)) else 0
+        if now >= need:
+            return None
+
+        def room(first: int) -> int:  # the blocks it could hold from `first` on: it takes them above its last
+            return len(available) - bisect.bisect_left(available, first)
+
+        has = held + room(blocks[held - 1] + 1)
+        options = [(first, count) for first, count in runs if count >= held and room(first) >= min(need, has)]
+        if not options:
+            return None
+        fitting = [option for option in options if option[1] >= need]
+        first, count = fitting[0] if fitting else max(options, key=lambda option: option[1])
+        moved = list(range(first, first + held))
+        return moved if count > now and moved != blocks[:held] else None
+
+    def move_to(self, seq: int, blocks: list[int]) -> list[int]:
+        """`seq` holds `blocks` (from gathered()) in place of its own, its positions in the same
+        order; the cells its positions < len(blocks) * block now take."""
+        self.truncate(seq, 0)
+        for block in blocks:
+            self._free.remove(block)
+            self._holders[block] = 1
+        self._blocks[seq] = list(blocks)
+        return self.held_cells(seq, len(blocks) * self.block)
 
     def _take_above(self, last: int, seq: int) -> int:
         at = bisect.bisect_right(self._free, last)

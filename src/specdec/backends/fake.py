@@ -69,6 +69,7 @@ class FakeBackend(Backend):
         # > 0: a cell copied to host memory takes this many bytes (save_positions), as a real KV cell would
         self.cell_bytes = cell_bytes
         self.loads: list[tuple[int, int]] = []  # (seq_id, length) per load_positions, for tests
+        self.gathers: list[tuple[int, int]] = []  # (seq_id, length) per gather that moved cells, for tests
         self._by_piece = {piece: i for i, piece in enumerate(self.pieces)}
         self._max_piece = max(len(p) for p in self.pieces)
 
@@ -177,6 +178,22 @@ class FakeBackend(Backend):
             self._blocks.cells(seq_id, range(length))
         self.cache[seq_id] = [int(t) for t in np.ascontiguousarray(rows[:, :4]).view("<u4").reshape(-1)]
         self.loads.append((seq_id, length))
+
+    def gather(self, seq_id: int, length: int, end: int) -> bool:
+        if self._blocks is None or not self.cell_bytes or length <= 0:
+            return False
+        blocks = self._blocks.gathered(seq_id, length, end)
+        if blocks is None:
+            return False
+        self._blocks.move_to(seq_id, blocks)
+        del self.cache.setdefault(seq_id, [])[length:]
+        self.gathers.append((seq_id, length))
+        return True
+
+    def blocks_of(self, seq_id: int) -> list[int]:
+        """The blocks seq_id's cells take, for tests."""
+        return [cell // self.prefix_share_block for cell in self._blocks.held_cells(seq_id, len(self.cache.get(seq_id, [])))
+                ][::self.prefix_share_block]
 
     def has_room(self, seq_id: int, end: int) -> bool:
         return self._blocks is None or end <= 0 or self._blocks.room(seq_id, end)

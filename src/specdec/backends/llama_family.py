@@ -336,10 +336,33 @@ class LlamaFamilyBackend(Backend):
         if stored * cell_bytes != copy.nbytes or not 0 < length <= stored:
             raise SpecdecError(f"a copy of {copy.nbytes} bytes holds no {length} cells of {cell_bytes} bytes.")
         chosen = self._cell_blocks.cells(local_id, range(length))  # blocks of its own, as its own writes take
+        self._write_cells(ctx, seq_id, chosen, copy, length)
+
+    def _write_cells(self, ctx, seq_id: int, chosen: Sequence[int], copy: np.ndarray, length: int) -> None:
+        """Positions < length of `copy` into the cells `chosen` (the sequence's blocks already)."""
+        local_id = self._context_of(seq_id)[1]
+        stored = copy.nbytes // self._binding.kv_cell_bytes(ctx)
         positions = (ctypes.c_int32 * length)(*range(length))
         if not self._binding.kv_write_cells(ctx, local_id, (ctypes.c_int32 * length)(*chosen), positions, copy, stored):
             self._cell_blocks.truncate(local_id, 0)
             raise SpecdecError(f"{self.name} could not copy cells back into sequence {seq_id}'s.")
+
+    def gather(self, seq_id: int, length: int, end: int) -> bool:
+        if not self.rules.cell_ranges or not self.copies_cells or length <= 0:
+            return False
+        return self._library.call(self._gather, seq_id, length, end + self.rules.min_rows - 1)
+
+    def _gather(self, seq_id: int, length: int, end: int) -> bool:
+        ctx, local_id = self._context_of(seq_id)
+        blocks = self._cell_blocks.gathered(local_id, length, end)
+        if blocks is None:
+            return False
+        copy = self._save_positions(seq_id, length)
+        if self._binding.seq_rm(ctx, local_id, 0) is False:
+            raise SpecdecError(f"{self.name} refused to clear sequence {seq_id} to move its cells.")
+        chosen = self._cell_blocks.move_to(local_id, blocks)[:length]
+        self._write_cells(ctx, seq_id, chosen, copy, length)
+        return True
 
     def keepable(self, seq_id: int, length: int) -> int:
         if not self.rules.cell_ranges:

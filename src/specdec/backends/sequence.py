@@ -100,6 +100,15 @@ class CachedSequence:
         self._whole_chunks_end = min(length, saved.whole_chunks_end)
         self._prefill_end = length if length == saved.prefill_end else 0
 
+    def gather(self, end: int) -> bool:
+        """Move what this holds into cells that lie together, with room for positions < end
+        (Backend.gather); whether it moved. A move that fails leaves it empty, then raises."""
+        try:
+            return bool(self.tokens) and self.backend.gather(self.seq_id, len(self.tokens), end)
+        except BaseException:
+            self.clear()
+            raise
+
     def reuse_prefix(self, tokens: Sequence[int]) -> int:
         """Keep the reusable cached prefix of `tokens` (prefix caching); returns its length."""
         common = self.reusable_prefix(tokens)

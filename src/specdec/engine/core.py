@@ -83,6 +83,7 @@ class _Active:
     started: bool = False
     prompt_logprobs: Optional[list[TokenLogprob]] = None  # scored so far; None: not asked for
     scoring: bool = False  # the prompt's scoring pass is under way (see _score_chunk)
+    placed: bool = False  # its cached start was gathered where it lay among others' (see _gather)
 
     @property
     def admitted(self) -> Generation:
@@ -365,6 +366,9 @@ class EngineCore:
         elif length < len(own.tokens):
             own.clear()
             active.admitted.cached_prompt_tokens = 0
+        if entry is not None or not active.placed:  # once, and again for a start taken later
+            active.placed = True
+            self._gather(own, active, end)
         # Waiting pays when the earlier request will compute at least one more block we can take.
         unit = math.lcm(share, own.alignment)
         for other_handle, other in self._active.items():
@@ -376,6 +380,17 @@ class EngineCore:
             if common // unit * unit > len(own.tokens):
                 return True
         return False
+
+    def _gather(self, own: CachedSequence, active: _Active, end: int) -> None:
+        """Move the start the slot holds into blocks that lie together where it lies among others'
+        (Backend.gather); one that fails to move is processed again, never failing the request."""
+        cache = self.engine.prompt_cache
+        try:
+            if own.gather(end) and cache is not None:
+                cache.stats.gathered += 1
+        except Exception:
+            logger.exception("could not move slot %d's cached prompt start; processing it again", active.slot)
+            active.admitted.cached_prompt_tokens = 0
 
     def _score_chunk(self, active: _Active, budget: int) -> int:
         """Up to `budget` more prompt tokens evaluated with logits, for the prompt's log-probabilities.

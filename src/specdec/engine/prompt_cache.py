@@ -8,11 +8,12 @@ spare sequence id takes the cells of all the slot would have kept for a later pr
 block in part (no copy, the cells get a second owner; the slot drops them as the new request
 takes it), and a later request of the same tenant whose prompt starts with those tokens adopts
 them as if its slot had waited for it, processing only the rest. A request that takes all of a
-start's reusable positions takes that last block over (the parked start keeps the whole blocks
-before it), since it writes its next positions there; one whose prompt diverges earlier takes
-the whole blocks before the divergence, shared, and leaves the start parked as it was. The cells
-are the ones computed for the first prompt, so a restored start is bit-identical to the same
-start processed again.
+start's reusable positions takes its blocks over (the start is no longer parked: the slot holds
+it, and parks it again as it moves on); one whose prompt diverges earlier takes the whole blocks
+before the divergence, shared, and leaves the start parked as it was. The cells are the ones
+computed for the first prompt, so a restored start is bit-identical to the same start processed
+again. A start taken over, or loaded, that lies among other sequences' blocks moves into blocks
+that lie together (EngineCore._gather): its attention would read past the others at every step.
 
 Parked starts hold cells no running sequence uses; a sequence that needs cells gets them first:
 the least recently used parked start is dropped until it has room (EngineCore._make_room), as is
@@ -92,6 +93,7 @@ class PromptCacheStats:
     host_tokens_restored: int = 0  # prompt tokens they loaded
     host_evicted: int = 0  # copies dropped for the bound
     host_failed: int = 0  # copies that did not load (dropped; their requests processed the prompt)
+    gathered: int = 0  # restored starts moved into cells that lie together (EngineCore._gather)
 
 
 class PromptCache:
@@ -168,10 +170,10 @@ class PromptCache:
 
     def restore(self, entry: Union[Parked, Saved], into: CachedSequence, length: int) -> int:
         """`into` takes the first `length` positions of `entry` (a length best() gave); how many it
-        holds then. A last block taken in part becomes into's alone, as into writes its next
-        positions there: the parked start keeps the whole blocks before it, or goes once it has
-        none. A copy in host memory is loaded into cells of into's own, and stays; one that does
-        not load goes, and `into` is left empty (0): the request processes its prompt again."""
+        holds then. A parked start taken whole goes: into holds its blocks alone, writes its next
+        positions in its last one, and may move them (Backend.gather); one taken in part keeps
+        them shared. A copy in host memory is loaded into cells of into's own, and stays; one that
+        does not load goes, and `into` is left empty (0): the request processes its prompt again."""
         entry.used = self._tick()
         if isinstance(entry, Saved):
             try:
@@ -188,11 +190,8 @@ class PromptCache:
             return length
         into.adopt(entry.sequence, length)
         self._count_hit(length)
-        block = self.backend.prefix_share_block
-        if length % block:
-            entry.sequence.truncate(length // block * block)
-            if not entry.sequence.tokens:
-                self._drop(entry)
+        if length >= entry.sequence.reusable_end:
+            self._drop(entry)  # into holds all it served, and is parked again as its slot moves on
         return length
 
     def _count_hit(self, length: int) -> None:

@@ -171,6 +171,8 @@ class _PromptCacheCollector(Collector):
                                    "host_tokens_restored"),
                                   ("prompt_cache_host_evictions", "Copies in host memory dropped for the bound.",
                                    "host_evicted"),
+                                  ("prompt_cache_gathered", "Cached prompt starts moved into cells that lie "
+                                   "together (their attention read past other conversations' cells).", "gathered"),
                                   ("prompt_cache_host_load_failures",
                                    "Copies in host memory that did not load (dropped; the prompt processed again).",
                                    "host_failed")):
