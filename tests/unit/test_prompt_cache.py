@@ -126,6 +126,24 @@ def test_a_conversation_taken_back_below_others_moves_into_blocks_that_lie_toget
     assert held[0] >= 24 and held == list(range(held[0], held[0] + len(held)))
 
 
+def test_the_server_reports_a_conversation_moved_into_blocks_that_lie_together():
+    backend = FakeBackend(seed=5, prefix_share_block=BLOCK, parked_sequences=4, cell_bytes=16, n_ctx=640, max_sequences=1)
+    app = create_app(Engine(backend, n_slots=1), ServerConfig(served_model_name="fake", spec=SpecConfig("off", 0)))
+    conversations = ["the cat sat on the mat " * 8, "a dog ran in the park " * 8, "on the mat the cat " * 8]
+
+    def complete(url, prompt, max_tokens=4):
+        body = {"model": "fake", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        return httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+
+    with serve_in_thread(app) as (url, _):
+        answers = [complete(url, prompt)["choices"][0]["text"] for prompt in conversations]
+        assert metric(url, "specdec:prompt_cache_gathered_total") == 0
+        # The conversation goes on below the two others, with an answer that needs blocks past its own.
+        again = complete(url, conversations[0] + answers[0] + "and then", max_tokens=40)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK
+        assert metric(url, "specdec:prompt_cache_gathered_total") == 1 and backend.gathers
+
+
 def test_the_least_recently_used_start_goes_when_every_spare_id_is_taken():
     engine = parking_engine(parked=2)
     starts = [tuple(range(base, base + 20)) for base in (40, 100, 160, 220)]

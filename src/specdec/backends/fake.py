@@ -192,8 +192,8 @@ class FakeBackend(Backend):
 
     def blocks_of(self, seq_id: int) -> list[int]:
         """The blocks seq_id's cells take, for tests."""
-        return [cell // self.prefix_share_block for cell in self._blocks.held_cells(seq_id, len(self.cache.get(seq_id, [])))
-                ][::self.prefix_share_block]
+        cells = self._blocks.held_cells(seq_id, len(self.cache.get(seq_id, [])))
+        return [cell // self.prefix_share_block for cell in cells[::self.prefix_share_block]]
 
     def has_room(self, seq_id: int, end: int) -> bool:
         return self._blocks is None or end <= 0 or self._blocks.room(seq_id, end)

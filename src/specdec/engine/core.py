@@ -83,7 +83,7 @@ class _Active:
     started: bool = False
     prompt_logprobs: Optional[list[TokenLogprob]] = None  # scored so far; None: not asked for
     scoring: bool = False  # the prompt's scoring pass is under way (see _score_chunk)
-    placed: bool = False  # its cached start was gathered where it lay among others' (see _gather)
+    placed: bool = False  # _gather has seen where its cached start lies
 
     @property
     def admitted(self) -> Generation:
