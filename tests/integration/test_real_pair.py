@@ -355,6 +355,9 @@ def test_a_parked_prompt_start_restores_the_logits_of_processing_from_scratch(re
     prompt = next(p for c, p in EQUALITY_PROMPTS if c == "summarization")
     ids = real_engine.encode_prompt(prompt, chat=True)
     block = target.prefix_share_block
+    cache.clear()  # the cells as a fresh engine's: where each sequence lands below is then known
+    for each in real_engine.slots:
+        each.target.clear()
     slot, turn = real_engine.slots[0].target, real_engine.slots[1].target
     answer = target.tokenize(" The summary: it is short.", add_special=False)
     follow_up = target.tokenize(" Now say it in French.", add_special=False)
@@ -376,12 +379,12 @@ def test_a_parked_prompt_start_restores_the_logits_of_processing_from_scratch(re
         assert cache.best("someone else", next_turn) == (None, 0)
         assert length % block, "this prompt's reusable start ends inside a block (832 of 839 tokens)"
         cache.restore(parked, turn, length)
-        assert len(cache) == 0  # taken whole: the turn holds its blocks alone
+        assert parked not in cache._entries  # taken whole: the turn holds its blocks alone
         assert turn.prefill(next_turn) == length  # the rest, from there on
         restored = turn.extend(tail)
         assert np.array_equal(restored, alone), f"up to {np.abs(restored - alone).max()}"
-        # Its blocks lie below the other conversation's: moved into blocks that lie together, the
-        # cells copied as they are, the logits do not change.
+        # Its blocks (0..3) lie below the other conversation's (4, 5): moved into blocks that lie
+        # together, the cells copied as they are, the logits do not change.
         turn.truncate(len(next_turn))
         assert turn.gather(8 * block)
         moved = turn.extend(tail)

@@ -416,7 +416,7 @@ def test_200_concurrent_requests_get_no_5xx_and_health_answers_within_a_second()
             health, checked_while_busy = [], 0
             with httpx.Client(base_url=url, timeout=1.0) as health_client:
                 while load.poll() is None:
-                    time.sleep(0.1)
+                    time.sleep(0.02)  # often: the whole load can be over within a tenth of a second
                     busy = scheduler.num_running + scheduler.num_waiting > 0
                     health.append(health_client.get("/health").status_code)  # within 1 s, or raises
                     checked_while_busy += busy
