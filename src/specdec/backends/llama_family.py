@@ -336,16 +336,14 @@ class LlamaFamilyBackend(Backend):
         if stored * cell_bytes != copy.nbytes or not 0 < length <= stored:
             raise SpecdecError(f"a copy of {copy.nbytes} bytes holds no {length} cells of {cell_bytes} bytes.")
         chosen = self._cell_blocks.cells(local_id, range(length))  # blocks of its own, as its own writes take
-        self._write_cells(ctx, seq_id, chosen, copy, length)
+        self._write_cells(ctx, local_id, chosen, copy, length, stored)
 
-    def _write_cells(self, ctx, seq_id: int, chosen: Sequence[int], copy: np.ndarray, length: int) -> None:
-        """Positions < length of `copy` into the cells `chosen` (the sequence's blocks already)."""
-        local_id = self._context_of(seq_id)[1]
-        stored = copy.nbytes // self._binding.kv_cell_bytes(ctx)
+    def _write_cells(self, ctx, local_id: int, chosen: Sequence[int], copy: np.ndarray, length: int, stored: int) -> None:
+        """Positions < length of `copy` (`stored` cells) into the cells `chosen` (the sequence's blocks already)."""
         positions = (ctypes.c_int32 * length)(*range(length))
         if not self._binding.kv_write_cells(ctx, local_id, (ctypes.c_int32 * length)(*chosen), positions, copy, stored):
             self._cell_blocks.truncate(local_id, 0)
-            raise SpecdecError(f"{self.name} could not copy cells back into sequence {seq_id}'s.")
+            raise SpecdecError(f"{self.name} could not copy cells back into sequence {local_id}'s.")
 
     def gather(self, seq_id: int, length: int, end: int) -> bool:
         if not self.rules.cell_ranges or not self.copies_cells or length <= 0:
@@ -361,7 +359,7 @@ class LlamaFamilyBackend(Backend):
         if self._binding.seq_rm(ctx, local_id, 0) is False:
             raise SpecdecError(f"{self.name} refused to clear sequence {seq_id} to move its cells.")
         chosen = self._cell_blocks.move_to(local_id, blocks)[:length]
-        self._write_cells(ctx, seq_id, chosen, copy, length)
+        self._write_cells(ctx, local_id, chosen, copy, length, length)
         return True
 
     def keepable(self, seq_id: int, length: int) -> int:
