@@ -12,7 +12,8 @@ One `step()` admits the requests added since the last one (reusing the cached pr
 prompts, from their own slot's cache or, where the backend shares cached positions, any slot's of
 the same tenant: a request whose prompt start another is still processing waits for it instead of
 computing it too, as the choices of an `n` > 1 request do), processes up to `prefill_budget`
-prompt tokens in whole aligned chunks (a long prompt joining does not stall the others), then
+prompt tokens in whole aligned chunks, the prompts with the fewest left first (a long prompt
+joining does not stall the others), then
 asks every started generation for its plan (pending token + drafts; the draft model's forwards of
 all their proposals run together, one per draft position) and verifies them all in ONE target
 forward, timed here and nowhere else.
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("specdec.engine")
 
 DEFAULT_PREFILL_BUDGET = 512  # prompt tokens per step, for every prompt being processed together
+# Steps a prompt may be passed over for shorter ones before it goes first (_prefill): short prompts
+# jump the queue, a long one is never starved by them.
+PREFILL_PATIENCE = 4
 # Prompt tokens per step scored with logits (echo): they go through decode-sized forwards, far
 # slower per token than prompt processing, so fewer per step keep the other streams moving.
 SCORING_BUDGET = 64
@@ -84,6 +88,7 @@ class _Active:
     prompt_logprobs: Optional[list[TokenLogprob]] = None  # scored so far; None: not asked for
     scoring: bool = False  # the prompt's scoring pass is under way (see _score_chunk)
     placed: bool = False  # _gather has seen where its cached start lies
+    passed_over: int = 0  # steps in a row its prompt got no tokens while others' did (_prefill)
 
     @property
     def admitted(self) -> Generation:
@@ -306,15 +311,23 @@ class EngineCore:
         return min(n_ctx, len(request.prompt_token_ids) + (n_ctx if most is None else most))
 
     def _prefill(self, items: list, budget: int) -> None:
+        """The prompts with the fewest tokens left go first, whatever order they came in: a short
+        prompt's first token does not wait behind a long one, and requests that arrive together
+        are processed in the same order every time. One passed over PREFILL_PATIENCE steps goes
+        first (in admission order), so a stream of short prompts never starves a long one."""
+        ready = []
         for handle, active in list(self._active.items()):
             if active.started or active.generation is None:
                 continue
-            if budget <= 0:
-                break
             waits = self._guarded(items, handle, self._share_prompt_start, handle, active)
             if waits or self._failed(items, handle):
                 continue  # waits: an earlier request is processing the start of this prompt
-            budget -= self._guarded(items, handle, self._prefill_chunk, active, budget) or 0
+            ready.append((handle, active))
+        ready.sort(key=lambda entry: (0, 0) if entry[1].passed_over >= PREFILL_PATIENCE else (1, self._prompt_left(entry[1])))
+        for handle, active in ready:
+            processed = self._guarded(items, handle, self._prefill_chunk, active, budget) if budget > 0 else 0
+            budget -= processed or 0
+            active.passed_over = 0 if processed else active.passed_over + 1
             if not self._failed(items, handle) and self._prompt_done(active):
                 items.extend((handle, item) for item in self._guarded(items, handle, self._start, active) or ())
 
@@ -432,9 +445,12 @@ class EngineCore:
         active.admitted.drafter.prefill(prefix[:end])  # a draft model keeps its cache in step itself
         return end - done
 
+    def _prompt_left(self, active: _Active) -> int:
+        """Prompt tokens this request has still to process (its last is the first decode row's)."""
+        return max(0, len(active.request.prompt_token_ids) - 1 - len(self.engine.slots[active.slot].target.tokens))
+
     def _prompt_done(self, active: _Active) -> bool:
-        done = len(self.engine.slots[active.slot].target.tokens)
-        return not active.scoring and done >= len(active.request.prompt_token_ids) - 1
+        return not active.scoring and self._prompt_left(active) == 0
 
     def _start(self, active: _Active) -> list[Item]:
         generation = active.admitted
