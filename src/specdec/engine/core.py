@@ -323,7 +323,7 @@ class EngineCore:
             if waits or self._failed(items, handle):
                 continue  # waits: an earlier request is processing the start of this prompt
             ready.append((handle, active))
-        ready.sort(key=lambda entry: (0, 0) if entry[1].passed_over >= PREFILL_PATIENCE else (1, self._prompt_left(entry[1])))
+        ready.sort(key=lambda entry: self._prefill_rank(entry[1]))
         for handle, active in ready:
             processed = self._guarded(items, handle, self._prefill_chunk, active, budget) if budget > 0 else 0
             budget -= processed or 0
@@ -444,6 +444,10 @@ class EngineCore:
             slot.target.prefill(prefix[:end])
         active.admitted.drafter.prefill(prefix[:end])  # a draft model keeps its cache in step itself
         return end - done
+
+    def _prefill_rank(self, active: _Active) -> tuple[int, int]:
+        """Overdue prompts first (the sort keeps their admission order), then the fewest tokens left."""
+        return (0, 0) if active.passed_over >= PREFILL_PATIENCE else (1, self._prompt_left(active))
 
     def _prompt_left(self, active: _Active) -> int:
         """Prompt tokens this request has still to process (its last is the first decode row's)."""
